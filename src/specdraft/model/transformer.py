@@ -1,0 +1,189 @@
+"""A Llama-family decoder (Llama / SmolLM, Mistral, Qwen2) in plain PyTorch.
+
+One forward for every use: prefill, plain decoding, chain and tree verification, early exit
+(self-speculation) and hidden-state taps (Medusa / EAGLE). Everything is passed explicitly;
+nothing is stored on the modules between calls except the weights and the RoPE table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specdraft.errors import ContextOverflowError
+from specdraft.model.config import ModelConfig
+from specdraft.model.kv_cache import KVCache
+from specdraft.model.rope import apply_rope, rope_table
+
+
+@dataclass(slots=True)
+class ModelOutput:
+    logits: Tensor | None  # [B, T, V] float32, or None when not asked for
+    last_hidden: Tensor  # [B, T, H] after the final norm (the LM head's input)
+    hidden: dict[int, Tensor] = field(default_factory=dict)  # layer i -> [B, T, H] output of layer i (0 = embeddings)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:  # x: [..., H]
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+class Block(nn.Module):
+    """One decoder layer with fused q/k/v and gate/up projections."""
+
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.c = c
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.wqkv = nn.Linear(c.hidden_size, q + 2 * kv, bias=c.attention_bias)
+        self.wo = nn.Linear(q, c.hidden_size, bias=False)
+        self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.w_gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.w_down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache, layer: int
+    ) -> Tensor:
+        """x: [B, T, H]; cos, sin: [B, 1, T, D]; mask: [B, 1, 1, T, S] bool (True = attend) or None."""
+        x = x + self.attention(self.attn_norm(x), cos, sin, mask, cache, layer)
+        gate, up = self.w_gate_up(self.ffn_norm(x)).chunk(2, dim=-1)
+        return x + self.w_down(F.silu(gate) * up)
+
+    def attention(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache, layer: int
+    ) -> Tensor:
+        c = self.c
+        b, t, _ = x.shape
+        q, k, v = self.wqkv(x).split(
+            [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], dim=-1
+        )
+        q = apply_rope(q.view(b, t, c.num_heads, c.head_dim).transpose(1, 2), cos, sin)  # [B, Hq, T, D]
+        k = apply_rope(k.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
+        v = v.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        keys, values = cache.write(layer, k, v)  # [B, Hkv, S, D]
+        out = grouped_attention(q, keys, values, mask, c.group_size)  # [B, Hq, T, D]
+        return self.wo(out.transpose(1, 2).reshape(b, t, c.num_heads * c.head_dim))
+
+
+def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, group: int) -> Tensor:
+    """Grouped-query attention without repeating K/V: the `group` query heads that share a
+    key/value head are stacked along the query axis of one matrix product.
+
+    q: [B, Hq, T, D]; k, v: [B, Hkv, S, D]; mask: [B, 1, 1, T, S] bool or None. Returns [B, Hq, T, D].
+    """
+    b, hq, t, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    qg = q.reshape(b, hkv, group * t, d)  # head h = kv * group + g
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * d**-0.5  # [B, Hkv, G*T, S]
+    if mask is not None:
+        scores = scores.view(b, hkv, group, t, s).masked_fill(~mask, float("-inf")).view(b, hkv, group * t, s)
+    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).view(b, hq, t, d)
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        cos, sin = rope_table(config, config.max_position, "cpu")
+        self.register_buffer("rope_cos", cos, persistent=False)  # [S, D]
+        self.register_buffer("rope_sin", sin, persistent=False)  # [S, D]
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def new_cache(self, batch_size: int, capacity: int | None = None) -> KVCache:
+        cap = self.config.max_context if capacity is None else capacity
+        return KVCache.allocate(self.config, batch_size, cap, dtype=self.dtype, device=self.device)
+
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        cache: KVCache,
+        mask: Tensor | None = None,
+        *,
+        num_layers: int | None = None,
+        return_hidden: tuple[int, ...] = (),
+        logits: bool = True,
+    ) -> ModelOutput:
+        """Run the new tokens of every row against that row's cached prefix.
+
+        tokens:     [B, T] int64, appended after each row's committed cache length.
+        positions:  [B, T] int64 RoPE positions (a tree node's position is its depth).
+        cache:      the rows' KV cache; the T new positions are appended to every row and
+                    counted in ``cache.lengths`` (roll back with ``truncate`` / ``commit``).
+        mask:       None = causal over the new tokens. Otherwise bool, True = may attend:
+                    [B, T, T] over the new tokens (the committed prefix is always visible), or
+                    [B, T, max(lengths) + T] over cached + new positions.
+        num_layers: run only the first L layers, then the final norm and LM head (early exit).
+        return_hidden: layer indices i whose outputs to return (0 = embeddings, L = last layer).
+        logits:     compute the LM head (False when only hidden states are needed).
+        """
+        c = self.config
+        b, t = tokens.shape
+        depth = c.num_layers if num_layers is None else num_layers
+        if not 1 <= depth <= c.num_layers:
+            raise ValueError(f"num_layers must be in 1..{c.num_layers}, got {depth}")
+        cache.check_room(t)
+        if int(positions.max()) >= c.max_position:
+            raise ContextOverflowError(
+                f"position {int(positions.max())} is past the model's context of {c.max_position}"
+            )
+        full_mask = attention_mask(cache.lengths, t, mask, tokens.device)  # [B, 1, 1, T, S] | None
+        cos = self.rope_cos[positions].unsqueeze(1).to(self.dtype)  # [B, 1, T, D]
+        sin = self.rope_sin[positions].unsqueeze(1).to(self.dtype)
+        x = self.embed(tokens)  # [B, T, H]
+        hidden = {0: x} if 0 in return_hidden else {}
+        for i in range(depth):
+            x = self.layers[i](x, cos, sin, full_mask, cache, i)
+            if i + 1 in return_hidden:
+                hidden[i + 1] = x
+        cache.advance(t)
+        x = self.norm(x)
+        return ModelOutput(logits=self.lm_logits(x) if logits else None, last_hidden=x, hidden=hidden)
+
+    def lm_logits(self, last_hidden: Tensor) -> Tensor:
+        """The LM head on final-norm hidden states: [..., H] -> [..., V] float32."""
+        return self.lm_head(last_hidden).float()
+
+
+def attention_mask(lengths: list[int], t: int, mask: Tensor | None, device: torch.device) -> Tensor | None:
+    """Build the [B, 1, 1, T, S] boolean mask (S = max(lengths) + T) from committed lengths
+    and the mask over the new tokens. Returns None when every query may see every key."""
+    b, s = len(lengths), max(lengths) + t
+    if mask is not None and mask.shape[-1] == s and mask.shape[-1] != t:
+        return mask.to(device=device, dtype=torch.bool).view(b, 1, 1, t, s)
+    if mask is None and t == 1 and min(lengths) == max(lengths):
+        return None
+    if mask is None:
+        mask = torch.ones(t, t, dtype=torch.bool, device=device).tril().expand(b, t, t)  # [B, T, T]
+    lens = torch.tensor(lengths, device=device)[:, None]  # [B, 1]
+    rel = torch.arange(s, device=device)[None, :] - lens  # [B, S] key index relative to the new block
+    in_new = (rel >= 0) & (rel < t)  # [B, S]
+    idx = rel.clamp(0, t - 1)[:, None, :].expand(b, t, s)  # [B, T, S]
+    new_part = torch.gather(mask.to(device=device, dtype=torch.bool), 2, idx) & in_new[:, None, :]
+    full = new_part | (rel < 0)[:, None, :]  # [B, T, S]
+    return full.view(b, 1, 1, t, s)
