@@ -30,6 +30,29 @@ def _add_sampling_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None, help="random seed, for reproducible sampling")
 
 
+def _add_method_options(p: argparse.ArgumentParser, default: str = "plain") -> None:
+    g = p.add_argument_group("speculation")
+    g.add_argument("--method", default=default,
+                   help=f"decoding method (default: {default}); `specdraft methods` lists them with their options")
+    g.add_argument("--k", type=int, default=8,
+                   help="draft tokens per step: the fixed length, or the maximum with --policy adaptive (default: 8)")
+    g.add_argument("--policy", default="adaptive", choices=["adaptive", "fixed"],
+                   help="adaptive (default): choose 0..k per step from recent acceptance and the measured "
+                        "verification cost at this batch size; fixed: always k")
+    g.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="a method option, e.g. --opt max_n=4 --opt branches=2 (repeatable)")
+
+
+def _options(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SpecdraftError(f"--opt takes KEY=VALUE, got {pair!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specdraft",
@@ -50,7 +73,25 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     _add_model_options(gen)
     _add_sampling_options(gen)
+    _add_method_options(gen)
     gen.set_defaults(func=cmd_generate)
+
+    methods = sub.add_parser("methods", help="list the decoding methods and their options")
+    methods.set_defaults(func=cmd_methods)
+
+    ver = sub.add_parser("verify", help="check that speculative output equals plain output (temperature 0)",
+                         description="Run plain and speculative greedy decoding on the same prompts and compare "
+                                     "the outputs byte for byte. Reports each mismatch with its first differing "
+                                     "position and exits 1 if any differ.")
+    ver.add_argument("--prompts", action="append", default=[], metavar="WORKLOAD|FILE",
+                     help="a built-in workload (summarization, rag, code, ...) or a JSONL file (repeatable); "
+                          "default: every built-in workload, taken in turn")
+    ver.add_argument("--limit", type=int, default=200, help="number of prompts (default: 200)")
+    ver.add_argument("--max-new-tokens", type=int, default=64, help="tokens per turn (default: 64)")
+    ver.add_argument("--out", default=None, metavar="FILE", help="also write the report as JSON")
+    _add_model_options(ver)
+    _add_method_options(ver, default="ngram")
+    ver.set_defaults(func=cmd_verify, policy="fixed")
 
     bench = sub.add_parser("bench-runtime", help="benchmark the model runtime (plain decoding, verification cost)",
                            description="Plain decode tokens/s at batch 1 and 8 next to Hugging Face "
@@ -80,8 +121,30 @@ def _set_threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
+def cmd_methods(args: argparse.Namespace) -> int:
+    from specdraft.proposers import describe_methods
+
+    print(describe_methods())
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from specdraft.verify import VerifyConfig, run_verify
+
+    if args.limit < 1:
+        raise SpecdraftError(f"--limit must be >= 1, got {args.limit}")
+    _set_threads(args.threads)
+    cfg = VerifyConfig(method=args.method, prompts=tuple(args.prompts), limit=args.limit,
+                       max_new_tokens=args.max_new_tokens, k=args.k, policy=args.policy,
+                       options=tuple(_options(args.opt).items()), model=args.model, dtype=args.dtype,
+                       device=args.device, out=args.out)
+    report = run_verify(cfg)
+    return 1 if report.mismatches else 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    from specdraft.engine import Engine
+    from specdraft.api import build_engine
+    from specdraft.metrics import SpecStats
     from specdraft.model.loader import load
     from specdraft.sampling import Sampling
     from specdraft.sequence import GenerationConfig
@@ -89,9 +152,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     _set_threads(args.threads)
+    options = _options(args.opt)
     t0 = time.perf_counter()
     loaded = load(args.model, dtype=args.dtype, device=args.device)
     load_s = time.perf_counter() - t0
+    engine = build_engine(loaded, args.method, k=args.k, policy=args.policy, options=options)
     tok = loaded.tokenizer
     if args.chat is not None:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
@@ -100,16 +165,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = tok.encode_chat(messages)
     else:
         prompt = tok.encode(args.prompt)
-    engine = Engine(loaded.model, tok)
-    results = engine.generate([prompt], config, sampling, on_text=lambda e: print(e.text, end="", flush=True))
+    stats = SpecStats()
+    results = engine.generate([prompt], config, sampling, on_text=lambda e: print(e.text, end="", flush=True),
+                              stats=stats)
     print()
     r = results[0]
     print(
-        f"[{len(r.tokens)} tokens in {r.stats.decode_s:.2f} s, {r.stats.tokens_per_s:.1f} tok/s; "
-        f"prompt {r.prompt_tokens} tokens in {r.stats.prefill_s:.2f} s; model loaded in {load_s:.1f} s; "
+        f"[{args.method}: {len(r.tokens)} tokens in {stats.decode_s:.2f} s, {len(r.tokens) / max(stats.decode_s, 1e-9):.1f} tok/s; "
+        f"prompt {r.prompt_tokens} tokens in {stats.prefill_s:.2f} s; model loaded in {load_s:.1f} s; "
         f"finish: {r.finish_reason}]",
         file=sys.stderr,
     )
+    if engine.speculative:
+        print(f"[{stats.summary()}]", file=sys.stderr)
     return 0
 
 

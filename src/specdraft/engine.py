@@ -1,22 +1,28 @@
-"""Batched generation: ragged prompts, per-request sampling and stop conditions, streaming.
+"""The decode loop shared by every method: propose -> verify -> accept -> commit -> observe.
 
-This module holds what every decoding method shares (prefill, the sequences, streaming and
-timing). Plain decoding is the one-token-per-step loop below.
+Plain decoding is the same loop with a proposer that never drafts. Rows of a batch are
+ragged: each has its own committed length, draft, sampling settings and stop conditions, and
+finishes on its own.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from specdraft.accept import Acceptance, accept
+from specdraft.draft import Draft, verify_inputs
 from specdraft.errors import ContextOverflowError, SpecdraftError
+from specdraft.metrics import SpecStats
 from specdraft.model.kv_cache import KVCache
 from specdraft.model.tokenizer import Tokenizer
 from specdraft.model.transformer import Transformer
+from specdraft.policy import Policy, PolicyConfig
+from specdraft.proposers.base import NoDraft, Proposer
 from specdraft.sampling import GREEDY, Sampling, make_generator, next_tokens
 from specdraft.sequence import GenerationConfig, Sequence
 
@@ -31,46 +37,41 @@ class StreamEvent:
 
 
 @dataclass(slots=True)
-class RunStats:
-    """Wall-clock split of one generate() call."""
-
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    forward_passes: int = 0  # target forward passes after prefill
-    new_tokens: int = 0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
-
-
-@dataclass(slots=True)
 class GenerationResult:
     text: str
     tokens: list[int]
     prompt_tokens: int
     finish_reason: str
-    stats: RunStats = field(default_factory=RunStats)
+    stats: SpecStats  # this request's counts (timings are in the call's aggregate stats)
 
 
 class Engine:
-    """Owns a target model and its tokenizer; each generate() call gets its own KV cache."""
+    """A target model, its tokenizer, a proposer and a policy. Each call gets its own cache."""
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, *, draft_headroom: int = 0) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        proposer: Proposer | None = None,
+        policy: Policy | None = None,
+    ) -> None:
         if tokenizer.vocab_size > model.config.vocab_size:
             raise SpecdraftError(
                 f"tokenizer has {tokenizer.vocab_size} tokens but the model only {model.config.vocab_size}"
             )
         self.model = model
         self.tokenizer = tokenizer
-        self.draft_headroom = draft_headroom  # cache positions kept free for draft tokens
+        self.proposer: Proposer = proposer if proposer is not None else NoDraft()
+        self.policy = policy if policy is not None else Policy(PolicyConfig(kind="fixed", k=8))
+        self.speculative = not isinstance(self.proposer, NoDraft)
+
+    @property
+    def draft_headroom(self) -> int:
+        return self.policy.config.k + 1 if self.speculative else 0
 
     # -- set-up -----------------------------------------------------------------------------
     def start(
-        self,
-        prompts: Seq[Seq[int]],
-        config: GenerationConfig,
-        sampling: Sampling | Seq[Sampling] = GREEDY,
+        self, prompts: Seq[Seq[int]], config: GenerationConfig, sampling: Sampling | Seq[Sampling] = GREEDY
     ) -> tuple[list[Sequence], KVCache]:
         """Validate prompts and build the sequences and a cache sized for them."""
         if not prompts:
@@ -104,7 +105,7 @@ class Engine:
         ]
         return seqs, self.model.new_cache(len(prompts), capacity)
 
-    # -- shared steps -----------------------------------------------------------------------
+    # -- prefill ----------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence], cache: KVCache, chunk: int = PREFILL_CHUNK) -> Tensor:
         """Feed whole prompts (right-padded, in chunks; padding is rolled back) and return the
@@ -127,53 +128,24 @@ class Engine:
             cache.truncate([min(n, start + t) for n in lengths])
         return self.model.lm_logits(last_hidden)
 
-    def choose(self, logits: Tensor, seqs: list[Sequence]) -> list[int]:
-        """One token per row from its last logits: [B, V] -> B ids."""
+    def first_tokens(self, logits: Tensor, seqs: list[Sequence]) -> list[int]:
+        """One token per row from the prefill logits: [B, V] -> B ids."""
         if all(s.sampling.greedy for s in seqs):
             return logits.argmax(-1).tolist()
         return [int(next_tokens(logits[i : i + 1], s.sampling, s.generator)) for i, s in enumerate(seqs)]
 
-    # -- plain decoding ---------------------------------------------------------------------
+    # -- the loop ---------------------------------------------------------------------------
     def stream(
         self,
         prompts: Seq[Seq[int]],
         config: GenerationConfig = GenerationConfig(),
         sampling: Sampling | Seq[Sampling] = GREEDY,
-        stats: RunStats | None = None,
+        stats: SpecStats | None = None,
     ) -> Iterator[StreamEvent]:
-        """Plain decoding, one token per row per forward pass, yielding text as it becomes final."""
+        """Generate, yielding text as it becomes final. ``stats`` (if given) receives the
+        aggregate counts and timings."""
         seqs, cache = self.start(prompts, config, sampling)
-        yield from self._run(seqs, cache, stats if stats is not None else RunStats())
-
-    @torch.inference_mode()
-    def _run(self, seqs: list[Sequence], cache: KVCache, stats: RunStats) -> Iterator[StreamEvent]:
-        t0 = time.perf_counter()
-        logits = self.prefill(seqs, cache)
-        stats.prefill_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        while True:
-            chosen = self.choose(logits, seqs)
-            for row, (s, tok) in enumerate(zip(seqs, chosen)):
-                if s.finished:
-                    continue
-                stats.new_tokens += s.append([tok])
-                delta = s.take_stream()
-                if delta or s.finished:
-                    yield StreamEvent(row, delta, s.finished)
-            if all(s.finished for s in seqs):
-                break
-            logits = self._decode_step(seqs, cache, chosen)
-            stats.forward_passes += 1
-        stats.decode_s = time.perf_counter() - t0
-
-    def _decode_step(self, seqs: list[Sequence], cache: KVCache, last: list[int]) -> Tensor:
-        device = self.model.device
-        before = list(cache.lengths)
-        tokens = torch.tensor(last, device=device)[:, None]  # [B, 1]
-        positions = torch.tensor(before, device=device)[:, None]  # [B, 1]
-        logits = self.model(tokens, positions, cache).logits[:, -1]  # [B, V]
-        cache.truncate([n if s.finished else n + 1 for n, s in zip(before, seqs)])
-        return logits
+        yield from self._run(seqs, cache, stats if stats is not None else SpecStats())
 
     def generate(
         self,
@@ -181,13 +153,110 @@ class Engine:
         config: GenerationConfig = GenerationConfig(),
         sampling: Sampling | Seq[Sampling] = GREEDY,
         on_text: Callable[[StreamEvent], None] | None = None,
+        stats: SpecStats | None = None,
     ) -> list[GenerationResult]:
-        stats = RunStats()
         seqs, cache = self.start(prompts, config, sampling)
-        for event in self._run(seqs, cache, stats):
+        for event in self._run(seqs, cache, stats if stats is not None else SpecStats()):
             if on_text is not None:
                 on_text(event)
         return [
-            GenerationResult(s.text, list(s.output), len(s.prompt), s.finish_reason or "length", stats)
-            for s in seqs
+            GenerationResult(s.text, s.output, len(s.prompt), s.finish_reason or "length", s.stats) for s in seqs
         ]
+
+    @torch.inference_mode()
+    def _run(self, seqs: list[Sequence], cache: KVCache, stats: SpecStats) -> Iterator[StreamEvent]:
+        for row, s in enumerate(seqs):
+            self.proposer.begin(row, s)
+            self.policy.begin(row)
+        try:
+            t0 = time.perf_counter()
+            last = self.first_tokens(self.prefill(seqs, cache), seqs)
+            stats.prefill_s += time.perf_counter() - t0
+            for row, (s, tok) in enumerate(zip(seqs, last)):
+                s.append([tok])
+                yield from _events(row, s)
+            while not all(s.finished for s in seqs):
+                last = yield from self._step(seqs, cache, last, stats)
+        finally:
+            for row in range(len(seqs)):
+                self.proposer.end(row)
+                self.policy.end(row)
+
+    def _step(
+        self, seqs: list[Sequence], cache: KVCache, last: list[int], stats: SpecStats
+    ) -> Iterator[StreamEvent]:
+        """One target pass for every row: propose, verify, accept, commit, observe."""
+        t0 = time.perf_counter()
+        drafts = self._propose(seqs, cache)
+        t1 = time.perf_counter()
+        before = list(cache.lengths)
+        logits = self._verify(drafts, last, cache)  # [B, 1 + width, V]
+        t2 = time.perf_counter()
+        results: list[Acceptance | None] = []
+        for row, (s, draft) in enumerate(zip(seqs, drafts)):
+            if s.finished:
+                results.append(None)
+                continue
+            acc = accept(draft, logits[row], s.sampling, s.generator)
+            kept = s.append(list(acc.tokens))
+            s.stats.record(draft, acc, kept)
+            stats.record(draft, acc, kept)
+            self.proposer.observe(row, draft, acc)
+            self.policy.observe(row, draft, acc)
+            last[row] = acc.tokens[-1]
+            results.append(acc)
+            yield from _events(row, s)
+        commit(cache, before, drafts, results)
+        t3 = time.perf_counter()
+        stats.propose_s += t1 - t0
+        stats.verify_s += t2 - t1
+        stats.other_s += t3 - t2
+        if any(len(d) for d in drafts):
+            self.policy.observe_propose_time(t1 - t0)
+        return last
+
+    def _propose(self, seqs: list[Sequence], cache: KVCache) -> list[Draft]:
+        if not self.speculative:
+            return [Draft.empty() for _ in seqs]
+        free = cache.capacity - 1 - max(cache.lengths)  # positions left after the root token
+        caps = [0 if s.finished else max(0, min(s.room - 1, free)) for s in seqs]
+        budgets = self.policy.budgets(caps, len(seqs))
+        active = [s if b > 0 and not s.finished else None for s, b in zip(seqs, budgets)]
+        drafts = self.proposer.propose(active, budgets)
+        for d, b in zip(drafts, budgets):
+            if len(d) > max(b, 0):
+                raise RuntimeError(f"proposer {self.proposer.name} drafted {len(d)} tokens over a budget of {b}")
+        return drafts
+
+    def _verify(self, drafts: list[Draft], last: list[int], cache: KVCache) -> Tensor:
+        """One target forward over each row's last token and its draft: [B, 1 + width, V]."""
+        device = self.model.device
+        width = max(len(d) for d in drafts)
+        lengths = torch.tensor(cache.lengths, device=device)[:, None]  # [B, 1]
+        if width == 0:
+            tokens = torch.tensor(last, device=device)[:, None]  # [B, 1]
+            return self.model(tokens, lengths, cache).logits
+        rows = [verify_inputs(d, width) for d in drafts]
+        tokens = torch.tensor([[tok, *r[0][1:]] for tok, r in zip(last, rows)], device=device)  # [B, 1 + W]
+        positions = lengths + torch.stack([r[1] for r in rows]).to(device)  # [B, 1 + W]
+        mask = torch.stack([r[2] for r in rows]).to(device)  # [B, 1 + W, 1 + W]
+        return self.model(tokens, positions, cache, mask=mask).logits
+
+
+def commit(cache: KVCache, before: list[int], drafts: list[Draft], results: list[Acceptance | None]) -> None:
+    """Keep the root and the accepted path of each row; drop everything else. Chains (and
+    any accepted path that is a prefix of the appended block) are a length change; other
+    tree paths are compacted with one gather."""
+    keeps = [[0] + [1 + i for i in acc.path] if acc is not None else [] for acc in results]
+    if all(k == list(range(len(k))) for k in keeps):
+        cache.truncate([b + len(k) for b, k in zip(before, keeps)])
+        return
+    width = max(len(k) for k in keeps)
+    keep = torch.tensor([k + [0] * (width - len(k)) for k in keeps], dtype=torch.long)  # [B, K]
+    cache.commit(before, keep, [len(k) for k in keeps])
+
+
+def _events(row: int, s: Sequence) -> Iterator[StreamEvent]:
+    delta = s.take_stream()
+    if delta or s.finished:
+        yield StreamEvent(row, delta, s.finished)

@@ -8,6 +8,7 @@ from typing import Literal
 import torch
 
 from specdraft.errors import SpecdraftError
+from specdraft.metrics import SpecStats
 from specdraft.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from specdraft.sampling import GREEDY, Sampling
 
@@ -33,7 +34,8 @@ class GenerationConfig:
 
 @dataclass(slots=True)
 class Sequence:
-    """One request in flight. ``output`` holds the generated token ids (EOS excluded)."""
+    """One request in flight. ``tokens`` is the prompt followed by the generated ids (EOS
+    excluded); it only grows, so proposers can index it incrementally."""
 
     prompt: list[int]
     config: GenerationConfig
@@ -41,13 +43,15 @@ class Sequence:
     sampling: Sampling = GREEDY
     generator: torch.Generator | None = None
     capacity: int = 0  # positions this row may use in the KV cache
-    output: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
     text: str = ""  # decoded output text (cut at a stop string)
     streamed: int = 0  # characters of `text` already handed to the caller
     finish_reason: FinishReason | None = None
+    stats: SpecStats = field(default_factory=SpecStats)  # this request's share (no timings)
     _detok: IncrementalDetokenizer | None = None
 
     def __post_init__(self) -> None:
+        self.tokens = list(self.prompt)
         self._detok = IncrementalDetokenizer(self.tokenizer, prompt=self.prompt)
 
     @property
@@ -55,13 +59,17 @@ class Sequence:
         return self.finish_reason is not None
 
     @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
+    def output(self) -> list[int]:
+        return self.tokens[len(self.prompt) :]
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - len(self.prompt)
 
     @property
     def room(self) -> int:
         """How many more tokens may still be emitted."""
-        return min(self.config.max_new_tokens - len(self.output), self.capacity - len(self.tokens))
+        return min(self.config.max_new_tokens - self.generated, self.capacity - len(self.tokens))
 
     def append(self, new: list[int]) -> int:
         """Add emitted tokens, stopping at the first end condition. Returns how many of
@@ -71,13 +79,13 @@ class Sequence:
             if not self.config.ignore_eos and token in self.tokenizer.eos_ids:
                 self.finish_reason = "eos"
                 break
-            self.output.append(token)
+            self.tokens.append(token)
             kept += 1
             before = len(self.text)
             self.text += self._detok.push([token])
             if self._hit_stop_string(before):
                 break
-            if len(self.output) >= self.config.max_new_tokens:
+            if self.generated >= self.config.max_new_tokens:
                 self.finish_reason = "length"
                 break
             if len(self.tokens) >= self.capacity:

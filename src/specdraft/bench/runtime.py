@@ -14,6 +14,7 @@ import torch
 
 from specdraft.bench.machine import format_table, machine_info
 from specdraft.engine import Engine
+from specdraft.metrics import SpecStats
 from specdraft.model.loader import LoadedModel, load
 from specdraft.sequence import GenerationConfig
 
@@ -65,8 +66,9 @@ def ours_decode(loaded: LoadedModel, batch: int, cfg: RuntimeBenchConfig) -> dic
     last: dict[str, float] = {}
 
     def run() -> None:
-        r = engine.generate(prompts, gen)[0].stats
-        last.update(decode_s=r.decode_s, prefill_s=r.prefill_s)
+        stats = SpecStats()
+        engine.generate(prompts, gen, stats=stats)
+        last.update(decode_s=stats.decode_s, prefill_s=stats.prefill_s)
 
     total = _median_time(run, cfg.repeats)
     tokens = batch * cfg.new_tokens

@@ -74,6 +74,8 @@ def _rope_scaling(raw: dict[str, Any]) -> RopeScaling | None:
     if kind in (None, "default"):
         return None
     original = s.get("original_max_position_embeddings")
+    if not original and kind in ("llama3", "yarn"):  # transformers defaults it to the context length
+        original = raw.get("max_position_embeddings")
     return RopeScaling(
         kind=str(kind),
         factor=float(s.get("factor", 1.0)),

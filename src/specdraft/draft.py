@@ -1,0 +1,132 @@
+"""Drafts as token trees.
+
+A draft is what a proposer offers the target in one step: ``N`` nodes, each a token and the
+index of its parent (-1 = the root, which is the last committed token). A chain is a tree in
+which every node's parent is the node before it. Nodes are in topological order (a parent
+comes before its children), so masks, positions and paths are pure functions of ``parents``.
+
+Vocabulary: *proposed* tokens are a draft's nodes; *accepted* tokens are the nodes on the path
+the verifier keeps; the *bonus* token is the target's own token after the last accepted one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class Draft:
+    tokens: tuple[int, ...]  # [N] token of each node
+    parents: tuple[int, ...]  # [N] parent node index, -1 = the root (last committed token)
+    p_draft: Tensor | None = None  # [N, V] float32: the distribution node i's token was drawn
+    # from (the proposer's distribution at its parent). None = a deterministic proposer, whose
+    # tokens count as one-hot draws. Siblings must be either independent draws from their common
+    # distribution or deterministic, for lossless sampling.
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.parents):
+            raise ValueError(f"draft has {len(self.tokens)} tokens but {len(self.parents)} parents")
+        for i, p in enumerate(self.parents):
+            if not -1 <= p < i:
+                raise ValueError(f"draft node {i} has parent {p}; parents must come first (-1 = root)")
+        if self.p_draft is not None and self.p_draft.shape[0] != len(self.tokens):
+            raise ValueError(f"p_draft has {self.p_draft.shape[0]} rows for {len(self.tokens)} nodes")
+
+    # -- constructors -------------------------------------------------------------------------
+    @classmethod
+    def empty(cls) -> "Draft":
+        return cls((), ())
+
+    @classmethod
+    def chain(cls, tokens: Sequence[int], p_draft: Tensor | None = None) -> "Draft":
+        return cls(tuple(int(t) for t in tokens), tuple(range(-1, len(tokens) - 1)), p_draft)
+
+    @classmethod
+    def from_paths(cls, paths: Sequence[Sequence[int]], max_nodes: int | None = None) -> "Draft":
+        """Merge token sequences into a trie (shared prefixes become one node), in the order
+        given: earlier paths' nodes come first among siblings. Stops adding nodes at max_nodes."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+        for path in paths:
+            parent = -1
+            for tok in path:
+                key = (parent, int(tok))
+                if key not in index:
+                    if max_nodes is not None and len(tokens) >= max_nodes:
+                        break
+                    index[key] = len(tokens)
+                    tokens.append(int(tok))
+                    parents.append(parent)
+                parent = index[key]
+        return cls(tuple(tokens), tuple(parents))
+
+    # -- derived structure ----------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def depths(self) -> list[int]:
+        """Depth of each node: a child of the root has depth 1."""
+        out: list[int] = []
+        for p in self.parents:
+            out.append(1 if p < 0 else out[p] + 1)
+        return out
+
+    def children(self) -> list[list[int]]:
+        """children[0] lists the root's children; children[i + 1] those of node i."""
+        out: list[list[int]] = [[] for _ in range(len(self) + 1)]
+        for i, p in enumerate(self.parents):
+            out[p + 1].append(i)
+        return out
+
+    def paths(self) -> list[list[int]]:
+        """Root-to-leaf paths as lists of node indices."""
+        kids = self.children()
+        leaves = [i for i in range(len(self)) if not kids[i + 1]]
+        out = []
+        for leaf in leaves:
+            path = [leaf]
+            while self.parents[path[-1]] >= 0:
+                path.append(self.parents[path[-1]])
+            out.append(path[::-1])
+        return out
+
+    def path_to(self, node: int) -> list[int]:
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+
+def verify_inputs(draft: Draft, width: int) -> tuple[list[int], Tensor, Tensor]:
+    """What the verifier feeds for one row: the root (slot 0, filled by the caller with the last
+    committed token) and the draft nodes (slot i + 1), padded to ``width`` nodes.
+
+    Returns tokens (N + 1 ints, padded with 0), relative positions [1 + width] int64 (the root
+    is 0, a node its depth; padding 1) and the ancestor mask [1 + width, 1 + width] bool:
+    slot a may attend to slot b iff b is a or one of a's ancestors (the root is everyone's).
+    Padding slots see the root and themselves; nobody sees them.
+    """
+    n = len(draft)
+    size = 1 + width
+    mask = torch.zeros(size, size, dtype=torch.bool)
+    mask[:, 0] = True
+    mask.diagonal().fill_(True)
+    for i, p in enumerate(draft.parents):  # parents first: copy the parent's row, add self
+        if p >= 0:
+            mask[i + 1] |= mask[p + 1]
+    positions = torch.ones(size, dtype=torch.long)
+    positions[0] = 0
+    if n:
+        positions[1 : n + 1] = torch.tensor(draft.depths())
+    tokens = [0, *draft.tokens] + [0] * (width - n)
+    return tokens, positions, mask

@@ -1,0 +1,184 @@
+"""How far to speculate: fixed draft length, or adaptive with batch-size gating.
+
+The adaptive policy keeps, per request, an estimate of the per-token acceptance probability
+alpha (decaying counts of accepted and rejected draft positions, so it follows recent
+behaviour and drifts back to its prior when nothing is observed). With alpha, a draft of k
+tokens is expected to emit E(k) = (1 - alpha^(k+1)) / (1 - alpha) tokens per target pass
+(bonus included). A cost model gives the measured latency of one target forward over q new
+tokens per row at the current batch size. Each step the policy picks the draft length K that
+maximises expected tokens per second for the whole batch,
+
+    sum_rows E_row(K) / (latency(batch, 1 + K) + propose_cost(K)),
+
+and K = 0 (plain decoding) whenever speculation would not pay: at large batch the
+verification of extra tokens is no longer free, so speculation switches itself off there.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from specdraft.accept import Acceptance
+from specdraft.draft import Draft
+from specdraft.errors import SpecdraftError
+from specdraft.model.transformer import Transformer
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    """kind: "fixed" always drafts k tokens; "adaptive" chooses 0..k per step (see module doc).
+    decay: weight of past evidence per step (adaptive). prior: initial alpha (adaptive)."""
+
+    kind: Literal["fixed", "adaptive"] = "adaptive"
+    k: int = 8
+    decay: float = 0.9
+    prior: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("fixed", "adaptive"):
+            raise SpecdraftError(f"policy must be 'fixed' or 'adaptive', got {self.kind!r}")
+        if not isinstance(self.k, int) or not 1 <= self.k <= 256:
+            raise SpecdraftError(f"draft length k must be an integer in 1..256, got {self.k!r}")
+        if not 0 < self.decay < 1 or not 0 < self.prior < 1:
+            raise SpecdraftError("policy decay and prior must be in (0, 1)")
+
+
+@dataclass(slots=True)
+class CostModel:
+    """Measured latency (seconds) of one target forward over q new tokens per row, per batch
+    size. Measured on first use of a batch size (a handful of dummy forwards), or given."""
+
+    model: Transformer | None = None
+    table: dict[int, dict[int, float]] = field(default_factory=dict)  # batch -> q -> seconds
+    prefix: int = 128  # cached tokens per row during measurement
+
+    def latency(self, batch: int, q: int, q_max: int) -> float:
+        if batch not in self.table:
+            if self.model is None:
+                raise SpecdraftError(f"cost model has no measurement for batch {batch}")
+            self.table[batch] = measure_latency(self.model, batch, _grid(q_max), self.prefix)
+        return _interpolate(self.table[batch], q)
+
+
+def _grid(q_max: int) -> list[int]:
+    qs, q = [1, 2], 3
+    while q < q_max:
+        qs.append(q)
+        q = 2 * q - 1
+    return sorted(set(qs + [q_max]))
+
+
+def _interpolate(points: dict[int, float], q: int) -> float:
+    xs = sorted(points)
+    if q in points:
+        return points[q]
+    lo = max((x for x in xs if x < q), default=xs[0])
+    hi = min((x for x in xs if x > q), default=xs[-1])
+    if lo == hi:  # outside the grid: extend the last segment linearly
+        a, b = (xs[-2], xs[-1]) if q > xs[-1] and len(xs) > 1 else (xs[0], xs[min(1, len(xs) - 1)])
+        slope = (points[b] - points[a]) / (b - a) if b != a else 0.0
+        return max(points[lo] + slope * (q - lo), 1e-9)
+    w = (q - lo) / (hi - lo)
+    return points[lo] * (1 - w) + points[hi] * w
+
+
+@torch.inference_mode()
+def measure_latency(model: Transformer, batch: int, qs: Seq[int], prefix: int = 128, repeats: int = 3) -> dict[int, float]:
+    """Median seconds of a forward over q new tokens per row after ``prefix`` cached tokens."""
+    device = model.device
+    cache = model.new_cache(batch, prefix + max(qs))
+    vocab = model.config.vocab_size
+    model(torch.randint(0, vocab, (batch, prefix), device=device),
+          torch.arange(prefix, device=device).expand(batch, prefix), cache, logits=False)
+    out: dict[int, float] = {}
+    for q in qs:
+        tokens = torch.randint(0, vocab, (batch, q), device=device)
+        positions = (prefix + torch.arange(q, device=device)).expand(batch, q)
+        times = []
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            model(tokens, positions, cache)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            cache.truncate(prefix)
+            if i:  # the first run is a warm-up
+                times.append(time.perf_counter() - t0)
+        out[q] = statistics.median(times)
+    return out
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Expected tokens per pass with a k-token chain and per-token acceptance alpha."""
+    if alpha >= 1:
+        return k + 1.0
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+@dataclass(slots=True)
+class _Evidence:
+    accepted: float = 0.0
+    rejected: float = 0.0
+
+
+class Policy:
+    def __init__(self, config: PolicyConfig = PolicyConfig(), cost: CostModel | None = None) -> None:
+        if config.kind == "adaptive" and cost is None:
+            raise SpecdraftError("the adaptive policy needs a cost model")
+        self.config = config
+        self.cost = cost
+        self.evidence: dict[int, _Evidence] = {}
+        self.propose_s_per_step = 0.0  # running estimate of the proposer's cost when drafting
+
+    def begin(self, row: int) -> None:
+        self.evidence[row] = _Evidence()
+
+    def end(self, row: int) -> None:
+        self.evidence.pop(row, None)
+
+    def alpha(self, row: int) -> float:
+        e = self.evidence.get(row, _Evidence())
+        prior_weight = 2.0
+        return (e.accepted + self.config.prior * prior_weight) / (e.accepted + e.rejected + prior_weight)
+
+    def budgets(self, caps: Seq[int], batch: int) -> list[int]:
+        """Draft length per row. caps[row]: the most that row may draft (0 = idle/finished).
+        batch: rows in the target forward (its cost depends on it)."""
+        k = self.config.k
+        if self.config.kind == "fixed":
+            return [min(k, c) for c in caps]
+        for e in self.evidence.values():
+            e.accepted *= self.config.decay
+            e.rejected *= self.config.decay
+        best = self.best_length(caps, batch)
+        return [min(best, c) for c in caps]
+
+    def best_length(self, caps: Seq[int], batch: int) -> int:
+        assert self.cost is not None
+        live = [(row, c) for row, c in enumerate(caps) if c > 0]
+        if not live:
+            return 0
+        q_max = 1 + self.config.k
+        best, best_rate = 0, 0.0
+        for k in range(0, self.config.k + 1):
+            gain = sum(expected_tokens(self.alpha(row), min(k, c)) for row, c in live)
+            cost = self.cost.latency(batch, 1 + k, q_max) + (self.propose_s_per_step if k else 0.0)
+            if gain / cost > best_rate:
+                best, best_rate = k, gain / cost
+        return best
+
+    def observe(self, row: int, draft: Draft, acceptance: Acceptance) -> None:
+        depth = max(draft.depths(), default=0)
+        if depth == 0 or row not in self.evidence:
+            return
+        e = self.evidence[row]
+        e.accepted += acceptance.accepted
+        e.rejected += 1.0 if acceptance.accepted < depth else 0.0
+
+    def observe_propose_time(self, seconds: float) -> None:
+        self.propose_s_per_step = 0.8 * self.propose_s_per_step + 0.2 * seconds if self.propose_s_per_step else seconds

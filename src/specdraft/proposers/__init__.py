@@ -1,0 +1,89 @@
+"""The registry of methods: a name, a proposer factory and its settings dataclass.
+
+A method's settings are the fields of its frozen config dataclass; ``make_proposer`` builds
+one from ``key=value`` strings (as the CLI's ``--opt`` passes them) and refuses unknown keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from specdraft.errors import SpecdraftError
+from specdraft.proposers.base import NoDraft, Proposer
+from specdraft.proposers.ngram import NgramConfig, NgramProposer
+
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    name: str
+    summary: str
+    config_type: type | None
+    factory: Callable[[Any], Proposer]
+
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("plain", "no speculation: one token per target pass (the baseline)", None, lambda _: NoDraft()),
+        Method("ngram", "prompt lookup: propose what followed the current suffix earlier in the context",
+               NgramConfig, NgramProposer),
+    )
+}
+
+
+def method_names() -> list[str]:
+    return list(METHODS)
+
+
+def get_method(name: str) -> Method:
+    if name not in METHODS:
+        raise SpecdraftError(f"unknown method {name!r}; available: {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+def make_proposer(name: str, options: Mapping[str, str] | None = None) -> Proposer:
+    method = get_method(name)
+    options = dict(options or {})
+    if method.config_type is None:
+        if options:
+            raise SpecdraftError(f"method {name!r} takes no options, got {', '.join(options)}")
+        return method.factory(None)
+    return method.factory(parse_options(method.config_type, options, name))
+
+
+def parse_options(config_type: type, options: Mapping[str, str], name: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(config_type)}
+    values: dict[str, Any] = {}
+    for key, raw in options.items():
+        if key not in fields:
+            raise SpecdraftError(f"method {name!r} has no option {key!r}; options: {', '.join(fields)}")
+        default = fields[key].default
+        values[key] = _convert(raw, type(default), f"{name} option {key}")
+    return config_type(**values)
+
+
+def _convert(raw: str, kind: type, what: str) -> Any:
+    try:
+        if kind is bool:
+            if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(raw)
+            return raw.lower() in ("1", "true", "yes")
+        return kind(raw)
+    except ValueError:
+        raise SpecdraftError(f"{what} must be a {kind.__name__}, got {raw!r}") from None
+
+
+def describe_methods() -> str:
+    lines = []
+    for m in METHODS.values():
+        lines.append(f"{m.name}: {m.summary}")
+        if m.config_type is not None:
+            doc = " ".join((m.config_type.__doc__ or "").split())
+            opts = ", ".join(f"{f.name}={f.default}" for f in dataclasses.fields(m.config_type))
+            lines.append(f"    options: {opts}")
+            if doc:
+                lines.append(f"    {doc}")
+    return "\n".join(lines)

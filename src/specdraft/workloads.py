@@ -1,0 +1,206 @@
+"""Workloads: prompt sets by type, from the shared datasets or a user's own JSONL.
+
+Every prompt is a conversation of one or more user turns, run turn by turn with the model's
+chat template (as Spec-Bench does). Built-in workloads (see ``WORKLOADS``) read the public
+sets in ``shared/datasets`` (found next to the repository, or at $SPECDRAFT_DATASETS).
+
+A user's JSONL has one object per line with ``turns`` (a list of user messages) or
+``prompt`` / ``text`` / ``question`` / ``instruction`` (+ optional ``input``); an optional
+``id``. Give it as ``NAME=PATH`` (or just PATH: the workload is named after the file).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specdraft.errors import SpecdraftError
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    id: str
+    workload: str
+    turns: tuple[str, ...]  # user messages, sent one after another in one conversation
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadSpec:
+    name: str
+    description: str
+    loader: Callable[[Path], list[Prompt]]
+
+
+def datasets_dir() -> Path:
+    """shared/datasets: $SPECDRAFT_DATASETS, else next to (or inside) the repository or cwd."""
+    env = os.environ.get("SPECDRAFT_DATASETS")
+    if env:
+        return Path(env)
+    here = Path(__file__).resolve()
+    for base in [*here.parents, *Path.cwd().resolve().parents, Path.cwd().resolve()]:
+        for candidate in (base / "shared" / "datasets", base.parent / "shared" / "datasets"):
+            if (candidate / "README.md").is_file():
+                return candidate
+    raise SpecdraftError(
+        "cannot find the benchmark datasets (shared/datasets); set SPECDRAFT_DATASETS=/path/to/datasets "
+        "or give your own JSONL file"
+    )
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        raise SpecdraftError(f"prompt file not found: {path}")
+    records = []
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SpecdraftError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            records.append(rec)
+    if not records:
+        raise SpecdraftError(f"{path} has no records")
+    return records
+
+
+def _spec_bench(categories: tuple[str, ...], workload: str) -> Callable[[Path], list[Prompt]]:
+    def load(root: Path) -> list[Prompt]:
+        return [
+            Prompt(f"spec_bench/{r['question_id']}", workload, tuple(r["turns"]))
+            for r in read_jsonl(root / "spec_bench" / "question.jsonl")
+            if r["category"] in categories
+        ]
+
+    return load
+
+
+def _mt_bench(categories: tuple[str, ...], workload: str) -> Callable[[Path], list[Prompt]]:
+    def load(root: Path) -> list[Prompt]:
+        return [
+            Prompt(f"mt_bench/{r['question_id']}", workload, tuple(r["turns"]))
+            for r in read_jsonl(root / "mt_bench" / "question.jsonl")
+            if r["category"] in categories
+        ]
+
+    return load
+
+
+def _humaneval(root: Path) -> list[Prompt]:
+    return [
+        Prompt(r["task_id"], "code",
+               (f"Complete the following Python function. Reply with the whole function.\n\n```python\n{r['prompt']}```",))
+        for r in read_jsonl(root / "humaneval" / "HumanEval.jsonl")
+    ]
+
+
+def _edit_eval(root: Path) -> list[Prompt]:
+    return [
+        Prompt(r["task_id"], "editing",
+               (f"{r['instruction'].strip()}\n\n```python\n{r['input']}```\n\nReply with the whole edited code.",))
+        for r in read_jsonl(root / "edit_eval" / "edit_eval.jsonl")
+    ]
+
+
+def _qmsum(root: Path) -> list[Prompt]:
+    prompts = []
+    for i, r in enumerate(read_jsonl(root / "qmsum" / "test.jsonl")):
+        transcript = "\n".join(f"{t['speaker']}: {t['content']}" for t in r["meeting_transcripts"])
+        query = r["general_query_list"][0]["query"] if r["general_query_list"] else "Summarize the whole meeting."
+        prompts.append(Prompt(f"qmsum/{i}", "long_summarization", (f"{query}\n\nMeeting transcript:\n{transcript}",)))
+    return prompts
+
+
+MT_CHAT = ("reasoning", "math", "coding", "extraction", "stem", "humanities")
+MT_CREATIVE = ("writing", "roleplay")
+
+WORKLOADS: dict[str, WorkloadSpec] = {
+    w.name: w
+    for w in (
+        WorkloadSpec("summarization", "Spec-Bench summarization (CNN/DailyMail articles)", _spec_bench(("summarization",), "summarization")),
+        WorkloadSpec("rag", "Spec-Bench retrieval-augmented QA (passages + question)", _spec_bench(("rag",), "rag")),
+        WorkloadSpec("translation", "Spec-Bench German to English", _spec_bench(("translation",), "translation")),
+        WorkloadSpec("qa", "Spec-Bench open-domain questions", _spec_bench(("qa",), "qa")),
+        WorkloadSpec("math", "Spec-Bench GSM8K-style word problems", _spec_bench(("math_reasoning",), "math")),
+        WorkloadSpec("chat", "MT-bench multi-turn chat (reasoning, math, coding, extraction, STEM, humanities)", _mt_bench(MT_CHAT, "chat")),
+        WorkloadSpec("creative", "MT-bench writing and roleplay (creative writing), multi-turn", _mt_bench(MT_CREATIVE, "creative")),
+        WorkloadSpec("code", "HumanEval function completion (code with context)", _humaneval),
+        WorkloadSpec("editing", "EditEval instruction-driven code editing", _edit_eval),
+        WorkloadSpec("long_summarization", "QMSum meeting summarization (cut to the context)", _qmsum),
+    )
+}
+
+
+def load_workload(name: str, limit: int | None = None) -> list[Prompt]:
+    """A built-in workload by name, or ``NAME=PATH`` / ``PATH`` for a user's JSONL."""
+    if name in WORKLOADS:
+        prompts = WORKLOADS[name].loader(datasets_dir())
+    elif "=" in name or name.endswith((".jsonl", ".json")) or Path(name).is_file():
+        label, _, path = name.rpartition("=") if "=" in name else ("", "", name)
+        prompts = load_user_jsonl(Path(path), label or Path(path).stem)
+    else:
+        raise SpecdraftError(f"unknown workload {name!r}; built-in: {', '.join(WORKLOADS)} (or NAME=FILE.jsonl)")
+    return prompts[:limit] if limit is not None else prompts
+
+
+def load_user_jsonl(path: Path, workload: str) -> list[Prompt]:
+    prompts = []
+    for n, rec in enumerate(read_jsonl(path), 1):
+        if not isinstance(rec, dict):
+            raise SpecdraftError(f"{path}:{n}: each line must be a JSON object")
+        prompts.append(Prompt(str(rec.get("id", rec.get("question_id", rec.get("task_id", n)))), workload,
+                              _turns(rec, path, n)))
+    return prompts
+
+
+def _turns(rec: dict[str, Any], path: Path, n: int) -> tuple[str, ...]:
+    if "turns" in rec:
+        turns = rec["turns"]
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
+            raise SpecdraftError(f"{path}:{n}: 'turns' must be a non-empty list of strings")
+        return tuple(turns)
+    for key in ("prompt", "text", "question", "instruction"):
+        if isinstance(rec.get(key), str) and rec[key].strip():
+            extra = rec.get("input") if key == "instruction" else None
+            return (rec[key] + (f"\n\n{extra}" if isinstance(extra, str) and extra else ""),)
+    raise SpecdraftError(f"{path}:{n}: no prompt found (expected 'turns', 'prompt', 'text', 'question' or 'instruction')")
+
+
+def mixed(names: Iterable[str], limit: int) -> list[Prompt]:
+    """Up to ``limit`` prompts taken round-robin from several workloads."""
+    pools = [load_workload(n) for n in names]
+    out: list[Prompt] = []
+    i = 0
+    while len(out) < limit and any(i < len(p) for p in pools):
+        out.extend(p[i] for p in pools if i < len(p))
+        i += 1
+    return out[:limit]
+
+
+def fit_messages(tokenizer: Any, messages: list[dict[str, str]], max_tokens: int, label: str = "") -> tuple[list[int], bool]:
+    """Encode a conversation; if longer than ``max_tokens``, cut the end of the last user
+    message until it fits, with a warning (never silently). Returns (ids, truncated)."""
+    ids = tokenizer.encode_chat(messages)
+    if len(ids) <= max_tokens:
+        return ids, False
+    content = messages[-1]["content"]
+    lo, hi = 0, len(content)
+    while lo < hi:  # longest prefix of the content that fits
+        mid = (lo + hi + 1) // 2
+        trial = [*messages[:-1], {"role": "user", "content": content[:mid]}]
+        if len(tokenizer.encode_chat(trial)) <= max_tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    if lo == 0:
+        raise SpecdraftError(f"{label or 'prompt'}: the conversation does not fit {max_tokens} tokens even without its last message")
+    warnings.warn(f"{label or 'prompt'}: cut from {len(ids)} tokens to fit {max_tokens} (kept {lo}/{len(content)} characters)",
+                  stacklevel=2)
+    trial = [*messages[:-1], {"role": "user", "content": content[:lo]}]
+    return tokenizer.encode_chat(trial), True
