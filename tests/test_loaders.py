@@ -82,13 +82,22 @@ def test_gguf_unknown_architecture(tiny_hf: Path, tmp_path: Path, arch: str) -> 
     raises_one_line(UnsupportedModelError, lambda: loader.load(path), arch)
 
 
-def test_gguf_llama3_rope_freqs_unsupported(tmp_path: Path) -> None:
-    """llama.cpp stores llama3 RoPE scaling as a rope_freqs tensor, which we do not read yet."""
+def test_gguf_llama3_rope_freqs_match_hf(tmp_path: Path) -> None:
+    """llama.cpp stores llama3 RoPE scaling as a rope_freqs tensor of per-frequency divisors;
+    the GGUF model must give the logits of the HF folder with rope_scaling llama3."""
+    import torch
+
     folder = write_hf_model(tmp_path / "llama3", rope_scaling={
         "rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64})
     path = write_gguf_model(tmp_path / "llama3.gguf", folder)
-    raises_one_line(UnsupportedModelError, lambda: load_gguf(path), "rope_freqs")
+    a, b = loader.load(path).model, loader.load(folder).model
+    assert a.config.rope_freq_factors is not None and max(a.config.rope_freq_factors) > 1
+    tokens = torch.randint(3, a.config.vocab_size, (1, 150), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(150)[None]
+    la = a(tokens, positions, a.new_cache(1, 160)).logits
+    lb = b(tokens, positions, b.new_cache(1, 160)).logits
+    assert float((la - lb).abs().max() / lb.abs().max()) < 1e-4
 
 
 def test_gguf_missing_metadata_key(tiny_hf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -48,6 +48,7 @@ class ModelConfig:
     head_dim: int
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    rope_freq_factors: tuple[float, ...] | None = None  # per-frequency divisors (llama.cpp's rope_freqs)
     rms_norm_eps: float = 1e-5
     max_position: int = 2048  # the model's context length
     tie_embeddings: bool = False
@@ -72,6 +73,10 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise UnsupportedModelError(f"model config: head_dim must be even, got {self.head_dim}")
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise UnsupportedModelError(
+                f"model config: {len(self.rope_freq_factors)} rope frequency factors for head_dim {self.head_dim}"
+            )
 
     @property
     def group_size(self) -> int:

@@ -7,6 +7,7 @@ permutation is undone here.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -138,9 +139,11 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Tensor], Any]:
     weights: dict[str, Tensor] = {}
     for t in reader.tensors:
         name = _hf_name(t.name)
+        if t.name == "rope_freqs.weight":  # llama3-style scaling, stored as per-frequency divisors
+            factors = tuple(float(x) for x in _dequantize(t).flatten())
+            config = dataclasses.replace(config, rope_freq_factors=factors)
+            continue
         if name is None:
-            if t.name == "rope_freqs.weight":
-                raise UnsupportedModelError(f"{path.name}: per-frequency RoPE factors (rope_freqs) are not supported yet")
             continue
         w = _dequantize(t)
         if config.architecture in ("llama", "mistral") and name.endswith(("q_proj.weight", "q_proj.bias")):

@@ -73,6 +73,8 @@ def _rope_scaling(raw: dict[str, Any]) -> RopeScaling | None:
     kind = s.get("rope_type", s.get("type"))
     if kind in (None, "default"):
         return None
+    if s.get("mscale") or s.get("mscale_all_dim") or s.get("truncate") is False:
+        raise UnsupportedModelError(f"rope scaling options mscale/mscale_all_dim/truncate=false are not supported")
     original = s.get("original_max_position_embeddings")
     if not original and kind in ("llama3", "yarn"):  # transformers defaults it to the context length
         original = raw.get("max_position_embeddings")

@@ -15,6 +15,8 @@ def inverse_frequencies(config: ModelConfig) -> tuple[Tensor, float]:
     """Return (inv_freq [D/2] float64, attention scale applied to cos/sin)."""
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
+    if config.rope_freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float64, device="cpu")
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq, 1.0
