@@ -93,6 +93,35 @@ def build_parser() -> argparse.ArgumentParser:
     _add_method_options(ver, default="ngram")
     ver.set_defaults(func=cmd_verify, policy="fixed")
 
+    b = sub.add_parser("bench", help="benchmark methods x workloads x batch sizes against plain decoding",
+                       description="Every method against plain decoding in the same run, on the same prompts and "
+                                   "limits: tokens/s, speedup, tau, acceptance (overall and per draft position), "
+                                   "time split. Writes results.json and report.md to --out.")
+    b.add_argument("--quick", action="store_true",
+                   help="a quick run (a few minutes on 2 CPU cores): every registered method with its default "
+                        "settings, every built-in workload but long_summarization, 2 prompts at batch 1 and one "
+                        "batch of 8, 64 new tokens; options given explicitly still win")
+    b.add_argument("--methods", default=None,
+                   help="comma-separated methods; settings after a colon, separated by '+', e.g. "
+                        "'ngram,ngram:k=4+policy=fixed,ngram:branches=2' (default: ngram; plain always runs)")
+    b.add_argument("--workloads", default=None,
+                   help="comma-separated built-in workloads or NAME=FILE.jsonl (default: summarization,rag,code,creative); "
+                        "built-in: " + ", ".join(_workload_names()))
+    b.add_argument("--batch-sizes", default=None, help="comma-separated batch sizes (default: 1)")
+    b.add_argument("--max-new-tokens", type=int, default=None, help="tokens per request (default: 128)")
+    b.add_argument("--samples", type=int, default=None,
+                   help="requests per workload at batch 1; batch B runs max(1, samples // B) full batches (default: 8)")
+    b.add_argument("--repeats", type=int, default=1, help="timed repeats; the median is reported (default: 1)")
+    b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    b.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    b.add_argument("--out", default=None, help="output folder (default: runs/bench, or runs/quick with --quick)")
+    _add_model_options(b)
+    b.set_defaults(func=cmd_bench)
+
+    rep = sub.add_parser("report", help="rebuild the report of a saved benchmark without rerunning it")
+    rep.add_argument("folder", help="a benchmark output folder (with results.json)")
+    rep.set_defaults(func=cmd_report)
+
     bench = sub.add_parser("bench-runtime", help="benchmark the model runtime (plain decoding, verification cost)",
                            description="Plain decode tokens/s at batch 1 and 8 next to Hugging Face "
                                        "transformers on the same weights, and forward latency against the "
@@ -119,6 +148,55 @@ def _set_threads(n: int | None) -> None:
         if n < 1:
             raise SpecdraftError(f"--threads must be >= 1, got {n}")
         torch.set_num_threads(n)
+
+
+def _workload_names() -> list[str]:
+    from specdraft.workloads import WORKLOADS
+
+    return list(WORKLOADS)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from specdraft.bench.harness import BenchConfig, MethodSpec, run_bench
+    from specdraft.bench.report import write_report
+
+    from specdraft.proposers import method_names
+    from specdraft.workloads import WORKLOADS
+
+    _set_threads(args.threads)
+    if args.quick:
+        preset = {"methods": ",".join(m for m in method_names() if m != "plain"),
+                  "workloads": ",".join(w for w in WORKLOADS if w != "long_summarization"),
+                  "batch_sizes": "1,8", "max_new_tokens": 64, "samples": 2, "out": "runs/quick"}
+    else:
+        preset = {"methods": "ngram", "workloads": "summarization,rag,code,creative", "batch_sizes": "1",
+                  "max_new_tokens": 128, "samples": 8, "out": "runs/bench"}
+    for key, value in preset.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    methods = tuple(MethodSpec.parse(m.replace("+", ",")) for m in args.methods.split(",") if m.strip())
+    cfg = BenchConfig(methods=methods, workloads=tuple(w.strip() for w in args.workloads.split(",") if w.strip()),
+                      batch_sizes=_int_list(args.batch_sizes, "--batch-sizes"), max_new_tokens=args.max_new_tokens,
+                      samples=args.samples, repeats=args.repeats, temperature=args.temperature, seed=args.seed,
+                      model=args.model, dtype=args.dtype, device=args.device, out=args.out)
+    results = run_bench(cfg)
+    path = write_report(Path(cfg.out), results)
+    print(path.read_text())
+    print(f"results: {Path(cfg.out) / 'results.json'}\nreport:  {path}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from specdraft.bench.report import write_report
+
+    path = write_report(Path(args.folder))
+    print(path.read_text())
+    print(f"report: {path}")
+    return 0
 
 
 def cmd_methods(args: argparse.Namespace) -> int:

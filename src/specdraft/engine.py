@@ -178,6 +178,7 @@ class Engine:
             while not all(s.finished for s in seqs):
                 last = yield from self._step(seqs, cache, last, stats)
         finally:
+            stats.proposer_bytes = max(stats.proposer_bytes, self.proposer.memory_bytes())
             for row in range(len(seqs)):
                 self.proposer.end(row)
                 self.policy.end(row)

@@ -31,6 +31,8 @@ class SpecStats:
     accepted: int = 0
     drafts_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
+    emitted_hist: list[int] = field(default_factory=list)  # [n] = steps of one request that emitted n tokens
+    proposer_bytes: int = 0  # the proposer's own memory (pools, indexes, draft caches), peak
     prefill_s: float = 0.0
     propose_s: float = 0.0
     verify_s: float = 0.0
@@ -45,11 +47,17 @@ class SpecStats:
         depth = max(draft.depths(), default=0)
         _bump(self.drafts_at, depth)
         _bump(self.accepted_at, acceptance.accepted)
+        if emitted >= len(self.emitted_hist):
+            self.emitted_hist.extend([0] * (emitted + 1 - len(self.emitted_hist)))
+        self.emitted_hist[emitted] += 1
 
     def merge(self, other: "SpecStats") -> None:
         for name in ("steps", "emitted", "proposed", "accepted", "prefill_s", "propose_s", "verify_s", "other_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        for mine, theirs in ((self.drafts_at, other.drafts_at), (self.accepted_at, other.accepted_at)):
+        self.proposer_bytes = max(self.proposer_bytes, other.proposer_bytes)
+        pairs = ((self.drafts_at, other.drafts_at), (self.accepted_at, other.accepted_at),
+                 (self.emitted_hist, other.emitted_hist))
+        for mine, theirs in pairs:
             mine.extend([0] * (len(theirs) - len(mine)))
             for i, n in enumerate(theirs):
                 mine[i] += n

@@ -73,11 +73,13 @@ class Sequence:
 
     def append(self, new: list[int]) -> int:
         """Add emitted tokens, stopping at the first end condition. Returns how many of
-        ``new`` were kept (the rest, after an end condition, are dropped)."""
+        ``new`` were used, an ending EOS token included (it is not added to ``tokens``); the
+        rest, after an end condition, are dropped."""
         kept = 0
         for token in new:
             if not self.config.ignore_eos and token in self.tokenizer.eos_ids:
                 self.finish_reason = "eos"
+                kept += 1
                 break
             self.tokens.append(token)
             kept += 1

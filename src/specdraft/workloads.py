@@ -117,6 +117,21 @@ def _qmsum(root: Path) -> list[Prompt]:
     return prompts
 
 
+def _repeat(root: Path) -> list[Prompt]:
+    """A copy-heavy control set: repeat a news passage (the opening of each Spec-Bench
+    summarization article, cut at a sentence end near 600 characters) word for word."""
+    prompts = []
+    for r in read_jsonl(root / "spec_bench" / "question.jsonl"):
+        if r["category"] != "summarization":
+            continue
+        article = r["turns"][0].removeprefix("Summarize:").strip()
+        end = article.find(". ", 500)
+        passage = article[: end + 1 if 0 < end < 800 else 600]
+        prompts.append(Prompt(f"repeat/{r['question_id']}", "repeat",
+                              (f"Repeat the following text exactly, word for word:\n\n{passage}",)))
+    return prompts
+
+
 MT_CHAT = ("reasoning", "math", "coding", "extraction", "stem", "humanities")
 MT_CREATIVE = ("writing", "roleplay")
 
@@ -132,6 +147,7 @@ WORKLOADS: dict[str, WorkloadSpec] = {
         WorkloadSpec("creative", "MT-bench writing and roleplay (creative writing), multi-turn", _mt_bench(MT_CREATIVE, "creative")),
         WorkloadSpec("code", "HumanEval function completion (code with context)", _humaneval),
         WorkloadSpec("editing", "EditEval instruction-driven code editing", _edit_eval),
+        WorkloadSpec("repeat", "repeat a news passage word for word (copy-heavy control)", _repeat),
         WorkloadSpec("long_summarization", "QMSum meeting summarization (cut to the context)", _qmsum),
     )
 }

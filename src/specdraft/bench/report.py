@@ -1,0 +1,60 @@
+"""Turn saved benchmark results (results.json) into a markdown report (and plots)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from specdraft.bench.machine import format_table
+from specdraft.errors import SpecdraftError
+
+
+def read_results(folder: Path) -> dict[str, Any]:
+    path = folder / "results.json" if folder.is_dir() else folder
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SpecdraftError(f"no benchmark results at {path}") from None
+    except json.JSONDecodeError as e:
+        raise SpecdraftError(f"{path} is not valid JSON: {e.msg}") from None
+    if not isinstance(data, dict) or "rows" not in data:
+        raise SpecdraftError(f"{path} does not hold specdraft benchmark results")
+    return data
+
+
+def header(results: dict[str, Any]) -> str:
+    m, c = results["machine"], results["config"]
+    model = results.get("model", {})
+    return "\n".join([
+        f"- model: {model.get('name', '?')} ({Path(model.get('source', '?')).name}), {c['dtype']} on {c['device']}",
+        f"- machine: {m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads; "
+        f"python {m['python']}, torch {m['torch']}, specdraft {m['specdraft']}",
+        f"- {c['samples']} prompts per workload, {c['max_new_tokens']} new tokens, temperature {c['temperature']}, "
+        f"seed {c['seed']}, {c['repeats']} timed repeat(s) (median), warm-up excluded",
+    ])
+
+
+def results_table(rows: list[dict[str, Any]]) -> str:
+    body = [[r["workload"], r["batch"], r["method"], r["tokens_per_s"], f"{r['speedup']:.2f}x", r["tau"],
+             f"{r['acceptance_rate']:.0%}" if r["base_method"] != "plain" else "-",
+             f"{r['propose_s']:.1f}/{r['verify_s']:.1f}/{r['other_s']:.1f}"] for r in rows]
+    return format_table(["workload", "batch", "method", "tok/s", "speedup", "tau", "accept",
+                         "propose/verify/other s"], body)
+
+
+def render(results: dict[str, Any]) -> str:
+    rows = results["rows"]
+    parts = ["# specdraft benchmark", "", header(results), "", results_table(rows)]
+    cut = {w: n for w, n in results.get("truncated", {}).items() if n}
+    if cut:
+        parts += ["", "Prompts cut to fit the context: " + ", ".join(f"{w}: {n}" for w, n in cut.items())]
+    return "\n".join(parts) + "\n"
+
+
+def write_report(folder: Path, results: dict[str, Any] | None = None) -> Path:
+    results = results if results is not None else read_results(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "report.md"
+    path.write_text(render(results))
+    return path
