@@ -54,7 +54,15 @@ def render(results: dict[str, Any]) -> str:
 
 def write_report(folder: Path, results: dict[str, Any] | None = None) -> Path:
     results = results if results is not None else read_results(folder)
+    from specdraft.bench.plots import write_plots
+
     folder.mkdir(parents=True, exist_ok=True)
+    plots = write_plots(results, folder)
+    text = render(results)
+    if plots:
+        text += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n"
+    else:
+        text += "\n(plots skipped: matplotlib is not installed)\n"
     path = folder / "report.md"
-    path.write_text(render(results))
+    path.write_text(text)
     return path

@@ -1,0 +1,139 @@
+"""PNG plots of benchmark results (matplotlib, optional: skipped with a note if missing)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+# The survey's expected n-gram acceptance ranges per workload type (seed table).
+EXPECTED_ACCEPTANCE = {
+    "summarization": (0.5, 0.9), "long_summarization": (0.5, 0.9), "code": (0.4, 0.8), "editing": (0.6, 0.9),
+    "rag": (0.3, 0.6), "creative": (0.05, 0.15), "chat": (0.1, 0.3),
+}
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def write_plots(results: dict[str, Any], folder: Path) -> list[Path]:
+    """Write every plot the results support; returns the files written ([] without matplotlib)."""
+    try:
+        plt = _pyplot()
+    except ImportError:
+        return []
+    rows = results["rows"]
+    out = []
+    for name, fn in (("speedup_vs_batch.png", _speedup_vs_batch), ("acceptance_by_workload.png", _acceptance),
+                     ("tau_histogram.png", _tau_hist), ("speedup_by_workload.png", _speedup_by_workload)):
+        fig = fn(plt, rows)
+        if fig is not None:
+            path = folder / name
+            fig.savefig(path, dpi=110, bbox_inches="tight")
+            plt.close(fig)
+            out.append(path)
+    return out
+
+
+def _speculative(rows: list[dict[str, Any]]) -> list[str]:
+    return list(dict.fromkeys(r["method"] for r in rows if r["base_method"] != "plain"))
+
+
+def _speedup_vs_batch(plt: Any, rows: list[dict[str, Any]]) -> Any:
+    batches = sorted({r["batch"] for r in rows})
+    if len(batches) < 2:
+        return None
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for m in _speculative(rows):
+        xs, ys = [], []
+        for b in batches:
+            sel = [r for r in rows if r["method"] == m and r["batch"] == b]
+            plain = [r for r in rows if r["base_method"] == "plain" and r["batch"] == b]
+            if sel and plain:  # overall speedup: all workloads' tokens over all their time
+                ours = sum(r["new_tokens"] for r in sel) / sum(r["time_s"] for r in sel)
+                base = sum(r["new_tokens"] for r in plain) / sum(r["time_s"] for r in plain)
+                xs.append(b)
+                ys.append(ours / base)
+        ax.plot(xs, ys, marker="o", label=m)
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("speedup over plain decoding")
+    ax.set_title("Speedup vs batch size (all workloads)")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _acceptance(plt: Any, rows: list[dict[str, Any]]) -> Any:
+    methods = _speculative(rows)
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    if not methods:
+        return None
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(workloads)), 4))
+    width = 0.8 / len(methods)
+    for i, m in enumerate(methods):
+        vals = []
+        for w in workloads:
+            sel = [r for r in rows if r["method"] == m and r["workload"] == w and r["batch"] == min(
+                rr["batch"] for rr in rows)]
+            vals.append(sel[0]["acceptance_rate"] if sel else 0.0)
+        ax.bar([x + i * width for x in range(len(workloads))], vals, width, label=m)
+    for x, w in enumerate(workloads):
+        if w in EXPECTED_ACCEPTANCE:
+            lo, hi = EXPECTED_ACCEPTANCE[w]
+            ax.add_patch(plt.Rectangle((x - width / 2, lo), 0.8, hi - lo, fill=False, edgecolor="black",
+                                       linestyle=":", linewidth=1.2))
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(workloads))], workloads, rotation=30, ha="right")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1)
+    ax.set_title("Acceptance by workload (dotted boxes: the survey's n-gram ranges)")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _tau_hist(plt: Any, rows: list[dict[str, Any]]) -> Any:
+    methods = _speculative(rows)
+    if not methods:
+        return None
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for m in methods:
+        hist: dict[int, int] = defaultdict(int)
+        for r in rows:
+            if r["method"] == m:
+                for n, c in enumerate(r["emitted_hist"]):
+                    hist[n] += c
+        total = sum(hist.values()) or 1
+        xs = sorted(hist)
+        ax.plot(xs, [hist[x] / total for x in xs], marker="o", label=m)
+    ax.set_xlabel("tokens emitted in one target pass")
+    ax.set_ylabel("fraction of passes")
+    ax.set_title("Tokens per target pass (all workloads and batch sizes)")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _speedup_by_workload(plt: Any, rows: list[dict[str, Any]]) -> Any:
+    methods = _speculative(rows)
+    if not methods:
+        return None
+    b = min(r["batch"] for r in rows)
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(workloads)), 4))
+    width = 0.8 / len(methods)
+    for i, m in enumerate(methods):
+        vals = [next((r["speedup"] for r in rows if r["method"] == m and r["workload"] == w and r["batch"] == b), 0.0)
+                for w in workloads]
+        ax.bar([x + i * width for x in range(len(workloads))], vals, width, label=m)
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(workloads))], workloads, rotation=30, ha="right")
+    ax.set_ylabel(f"speedup over plain (batch {b})")
+    ax.set_title(f"Speedup by workload at batch {b}")
+    ax.legend(fontsize=8)
+    return fig
