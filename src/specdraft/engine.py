@@ -219,7 +219,8 @@ class Engine:
     def _propose(self, seqs: list[Sequence], cache: KVCache) -> list[Draft]:
         if not self.speculative:
             return [Draft.empty() for _ in seqs]
-        free = cache.capacity - 1 - max(cache.lengths)  # positions left after the root token
+        running = [n for n, s in zip(cache.lengths, seqs) if not s.finished]
+        free = cache.capacity - 1 - max(running, default=0)  # positions left after the root token
         caps = [0 if s.finished else max(0, min(s.room - 1, free)) for s in seqs]
         budgets = self.policy.budgets(caps, len(seqs))
         active = [s if b > 0 and not s.finished else None for s, b in zip(seqs, budgets)]
@@ -249,12 +250,15 @@ def commit(cache: KVCache, before: list[int], drafts: list[Draft], results: list
     any accepted path that is a prefix of the appended block) are a length change; other
     tree paths are compacted with one gather."""
     keeps = [[0] + [1 + i for i in acc.path] if acc is not None else [] for acc in results]
+    # a finished row (no acceptance) is emptied: nobody reads it again, and an empty row
+    # costs nothing in attention and leaves the cache's room to the rows still running
+    start = [b if acc is not None else 0 for b, acc in zip(before, results)]
     if all(k == list(range(len(k))) for k in keeps):
-        cache.truncate([b + len(k) for b, k in zip(before, keeps)])
+        cache.truncate([b + len(k) for b, k in zip(start, keeps)])
         return
     width = max(len(k) for k in keeps)
     keep = torch.tensor([k + [0] * (width - len(k)) for k in keeps], dtype=torch.long)  # [B, K]
-    cache.commit(before, keep, [len(k) for k in keeps])
+    cache.commit(start, keep, [len(k) for k in keeps])
 
 
 def _events(row: int, s: Sequence) -> Iterator[StreamEvent]:

@@ -1,0 +1,654 @@
+"""Speculative decoding through the engine: greedy equivalence with plain decoding (n-gram
+chains and trees, fixed and adaptive policies, ragged batches), KV rollback and tree commit
+with a hand-written proposer, stop conditions inside accepted runs, bad input, the n-gram
+proposer and the policy on their own, the ``verify`` command, and one real-model check."""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from collections.abc import Sequence as Seq
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import specdraft.verify as verify_module
+from specdraft.accept import Acceptance
+from specdraft.cli import main
+from specdraft.draft import Draft
+from specdraft.engine import Engine
+from specdraft.errors import ModelFileError, SpecdraftError
+from specdraft.metrics import SpecStats
+from specdraft.model.loader import LoadedModel, default_model_path, load
+from specdraft.policy import CostModel, Policy, PolicyConfig, expected_tokens
+from specdraft.proposers import make_proposer
+from specdraft.proposers.base import Proposer
+from specdraft.proposers.ngram import NgramConfig, NgramIndex, NgramProposer, continuation
+from specdraft.sampling import Sampling
+from specdraft.sequence import GenerationConfig, Sequence
+from specdraft.verify import Mismatch, VerifyReport, compare_prompt, first_difference
+from specdraft.workloads import Prompt
+from tiny_models import write_hf_model
+
+# =========================================================================== models and prompts
+#
+# The tiny random model hardly ever repeats itself, so n-gram drafts are rarely accepted on it.
+# "loopy" is the same model with its attention output scaled down: it leans on the last token,
+# so its greedy text falls into loops that the n-gram proposer predicts, while attention (and
+# so the KV cache, positions and masks) still matters. Its prompts include some of its own
+# greedy text, which makes the loops show up early. Both models are used.
+
+TEXTS = [
+    "a b a b a b a b a b",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "Hello",
+    "12345 12345 12345 12345",
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
+]
+GEN = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+
+
+@dataclass(frozen=True)
+class Setup:
+    loaded: LoadedModel
+    prompts: list[list[int]]  # a ragged batch
+    refs: list[list[int]]  # plain greedy outputs (GEN)
+
+
+def base_prompts(loaded: LoadedModel) -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    vocab = loaded.tokenizer.vocab_size
+    randoms = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (7, 30)]
+    return [loaded.tokenizer.encode(t) for t in TEXTS] + randoms
+
+
+def plain_engine(loaded: LoadedModel) -> Engine:
+    return Engine(loaded.model, loaded.tokenizer)
+
+
+def make_setup(loaded: LoadedModel, warm: int = 0) -> Setup:
+    prompts = base_prompts(loaded)
+    if warm:  # append the model's own continuation to the first prompts
+        cont = plain_engine(loaded).generate(prompts[:4], GenerationConfig(max_new_tokens=warm, ignore_eos=True))
+        prompts = [p + c.tokens for p, c in zip(prompts, cont)] + prompts[4:]
+    return Setup(loaded, prompts, [r.tokens for r in plain_engine(loaded).generate(prompts, GEN)])
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_hf: Path) -> Setup:
+    return make_setup(load(tiny_hf))
+
+
+@pytest.fixture(scope="module")
+def loopy(tiny: Setup) -> Setup:
+    model = copy.deepcopy(tiny.loaded.model)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.wo.weight.mul_(0.2)
+    return make_setup(LoadedModel(model, tiny.loaded.tokenizer, tiny.loaded.source), warm=24)
+
+
+def cost_table(batch: int, per_token: float = 0.001, k: int = 8) -> CostModel:
+    """A hand-made cost model: one forward costs 1 + per_token * (q - 1) seconds."""
+    return CostModel(table={batch: {q: 1.0 + per_token * (q - 1) for q in range(1, k + 2)}})
+
+
+def spec_engine(loaded: LoadedModel, proposer: Proposer, k: int, policy: str = "fixed", batch: int = 1) -> Engine:
+    cost = cost_table(batch, k=k) if policy == "adaptive" else None
+    return Engine(loaded.model, loaded.tokenizer, proposer, Policy(PolicyConfig(kind=policy, k=k), cost))
+
+
+# =========================================================================== greedy equivalence
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+@pytest.mark.parametrize("branches", [1, 2], ids=["chain", "tree"])
+def test_ngram_greedy_equals_plain(loopy: Setup, k: int, policy: str, branches: int) -> None:
+    engine = spec_engine(loopy.loaded, NgramProposer(NgramConfig(branches=branches)), k, policy, batch=len(loopy.prompts))
+    stats = SpecStats()
+    results = engine.generate(loopy.prompts, GEN, stats=stats)
+    for row, (r, ref) in enumerate(zip(results, loopy.refs)):
+        assert r.tokens == ref, f"row {row} differs"
+        assert r.finish_reason == "length"
+    assert stats.accepted >= 5 * min(k, 2), "the test is vacuous if (almost) nothing is accepted"
+    assert stats.steps < stats.emitted  # some steps emitted more than one token
+
+
+@pytest.mark.parametrize("branches", [1, 3], ids=["chain", "tree"])
+def test_ngram_greedy_equals_plain_on_the_plain_tiny_model(tiny: Setup, branches: int) -> None:
+    stats = SpecStats()
+    engine = spec_engine(tiny.loaded, NgramProposer(NgramConfig(branches=branches)), 6)
+    results = engine.generate(tiny.prompts, GEN, stats=stats)
+    assert [r.tokens for r in results] == tiny.refs
+    assert stats.proposed > 0 and stats.accepted > 0
+
+
+def test_each_row_alone_equals_the_batch(loopy: Setup) -> None:
+    engine = spec_engine(loopy.loaded, NgramProposer(NgramConfig(branches=2)), 4)
+    for p, ref in list(zip(loopy.prompts, loopy.refs))[::2]:
+        assert engine.generate([p], GEN)[0].tokens == ref
+
+
+def test_sampled_speculation_is_reproducible(loopy: Setup) -> None:
+    settings = [Sampling(temperature=0.8, top_k=20, seed=s) for s in range(len(loopy.prompts))]
+    runs = [spec_engine(loopy.loaded, NgramProposer(NgramConfig(branches=2)), 4).generate(loopy.prompts, GEN, settings)
+            for _ in range(2)]
+    assert [r.tokens for r in runs[0]] == [r.tokens for r in runs[1]]
+    assert sum(r.stats.accepted for r in runs[0]) > 0
+
+
+# =========================================================================== hand-written proposers
+
+
+class OracleProposer:
+    """Knows each row's plain greedy continuation and proposes trees in which some siblings
+    are right and some wrong, in patterns that change from step to step: wrong siblings
+    first (so the accepted path is not a prefix of the node order and the cache commit must
+    gather), a wrong token partway down (rollback), the whole budget right, or nothing right."""
+
+    name = "oracle"
+
+    def __init__(self, truths: list[list[int]], prompts: list[list[int]], vocab: int, shape: str = "tree") -> None:
+        self.truths, self.prompts, self.vocab, self.shape = truths, prompts, vocab, shape
+        self.step = 0
+        self.expected: dict[int, int] = {}  # row -> tokens the verifier must accept this step
+        self.proposed = [0] * len(truths)
+        self.accepted = [0] * len(truths)
+        self.history: list[list[tuple[int, int]]] = [[] for _ in truths]  # (draft depth, accepted) per step
+
+    def begin(self, row: int, seq: Sequence) -> None:
+        assert seq.prompt == self.prompts[row]
+
+    def end(self, row: int) -> None:
+        pass
+
+    def memory_bytes(self) -> int:
+        return 0
+
+    def _wrong(self, token: int) -> int:
+        return (token + 1 + self.step % 7) % self.vocab
+
+    def propose(self, seqs: Seq[Sequence | None], budgets: Seq[int]) -> list[Draft]:
+        self.step += 1
+        drafts = []
+        for row, (seq, budget) in enumerate(zip(seqs, budgets)):
+            if seq is None or budget <= 0:
+                self.expected[row] = 0
+                drafts.append(Draft.empty())
+                continue
+            done = len(seq.tokens) - len(self.prompts[row])
+            truth = self.truths[row][done:] + [0] * budget  # the tokens after the root
+            right = [self.step % 5, budget, 0, 2, 3][(self.step + row) % 5]  # right tokens before a wrong one
+            right = min(right, budget)
+            path = truth[:right] + [self._wrong(truth[right])]
+            if self.shape == "chain":
+                paths = [path]
+            else:  # wrong siblings before the right ones, at the root and one level down
+                paths = [[self._wrong(truth[0])], [truth[0], self._wrong(truth[1])], path]
+            draft = Draft.from_paths(paths, max_nodes=budget)
+            self.expected[row] = len(draft.path_to(_deepest_right(draft, truth)))
+            self.proposed[row] += len(draft)
+            drafts.append(draft)
+        return drafts
+
+    def observe(self, row: int, draft: Draft, acceptance: Acceptance) -> None:
+        assert acceptance.accepted == self.expected[row]
+        self.accepted[row] += acceptance.accepted
+        self.history[row].append((max(draft.depths(), default=0), acceptance.accepted))
+
+
+def _deepest_right(draft: Draft, truth: list[int]) -> int:
+    """The deepest node whose path spells a prefix of ``truth`` (-1 = none)."""
+    best, best_depth = -1, 0
+    depths = draft.depths()
+    for i in range(len(draft)):
+        if [draft.tokens[j] for j in draft.path_to(i)] == truth[: depths[i]] and depths[i] > best_depth:
+            best, best_depth = i, depths[i]
+    return best
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+@pytest.mark.parametrize("k", [3, 8])
+def test_rollback_and_tree_commit_match_plain(tiny: Setup, shape: str, k: int) -> None:
+    prompts, truths = tiny.prompts, tiny.refs
+    oracle = OracleProposer(truths, prompts, tiny.loaded.tokenizer.vocab_size, shape)
+    engine = spec_engine(tiny.loaded, oracle, k)
+    total = SpecStats()
+    results = engine.generate(prompts, GEN, stats=total)
+    for row, (r, ref) in enumerate(zip(results, truths)):
+        assert r.tokens == ref, f"row {row}"
+        s = r.stats
+        assert s.emitted == len(r.tokens) - 1  # the first token comes from the prefill
+        assert s.tau == pytest.approx(s.emitted / s.steps)
+        assert s.proposed == oracle.proposed[row]
+        assert s.accepted == oracle.accepted[row]
+        assert s.steps == len(oracle.history[row]) and s.accepted <= s.emitted
+        # per position d: steps whose draft reached depth d / accepted a token at depth d
+        depth = max(d for d, _ in oracle.history[row])
+        assert s.drafts_at == [sum(d >= i for d, _ in oracle.history[row]) for i in range(1, depth + 1)]
+        most = max(a for _, a in oracle.history[row])
+        assert s.accepted_at[:most] == [sum(a >= i for _, a in oracle.history[row]) for i in range(1, most + 1)]
+        assert not any(s.accepted_at[most:])
+        assert sum(s.accepted_at) == s.accepted and len(s.accepted_at) <= len(s.drafts_at) <= k
+    assert total.steps == sum(len(h) for h in oracle.history)
+    assert total.accepted > total.steps // 2  # plenty of multi-token steps
+    assert total.emitted == sum(len(r.tokens) - 1 for r in results)
+    assert total.proposed == sum(oracle.proposed) and total.accepted == sum(oracle.accepted)
+
+
+class OverBudget:
+    name = "over-budget"
+
+    def begin(self, row: int, seq: Sequence) -> None:
+        pass
+
+    def end(self, row: int) -> None:
+        pass
+
+    def memory_bytes(self) -> int:
+        return 0
+
+    def propose(self, seqs: Seq[Sequence | None], budgets: Seq[int]) -> list[Draft]:
+        return [Draft.chain([5] * (b + 1)) for b in budgets]
+
+    def observe(self, row: int, draft: Draft, acceptance: Acceptance) -> None:
+        pass
+
+
+def test_draft_over_budget_raises(tiny: Setup) -> None:
+    engine = spec_engine(tiny.loaded, OverBudget(), 4)
+    with pytest.raises(RuntimeError, match="budget"):
+        engine.generate(tiny.prompts[:2], GenerationConfig(max_new_tokens=8))
+
+
+# =========================================================================== stop conditions inside accepted runs
+
+
+def _chain_oracle(truths: list[list[int]], prompts: list[list[int]]) -> Proposer:
+    """Proposes the plain continuation itself: every step accepts its whole budget."""
+
+    class Perfect(OverBudget):
+        name = "perfect"
+
+        def propose(self, seqs, budgets):
+            out = []
+            for row, (seq, b) in enumerate(zip(seqs, budgets)):
+                if seq is None or b <= 0:
+                    out.append(Draft.empty())
+                    continue
+                done = len(seq.tokens) - len(prompts[row])
+                out.append(Draft.chain((truths[row][done:] + [3] * b)[:b]))
+            return out
+
+    return Perfect()
+
+
+@pytest.fixture(params=["tiny", "loopy"])
+def setup(request: pytest.FixtureRequest) -> Setup:
+    return request.getfixturevalue(request.param)
+
+
+def _stop_engines(loaded: LoadedModel, tokenizer, truths, prompts) -> dict[str, Engine]:
+    policy = lambda: Policy(PolicyConfig(kind="fixed", k=8))  # noqa: E731
+    return {
+        "perfect chain": Engine(loaded.model, tokenizer, _chain_oracle(truths, prompts), policy()),
+        "ngram": Engine(loaded.model, tokenizer, NgramProposer(), policy()),
+        "ngram tree": Engine(loaded.model, tokenizer, NgramProposer(NgramConfig(branches=2)), policy()),
+    }
+
+
+def test_eos_inside_an_accepted_run(setup: Setup) -> None:
+    loaded = setup.loaded
+    prompts, truths = setup.prompts[:4], setup.refs[:4]
+    ref = truths[0]
+    # the first token at index >= 5 that does not occur earlier in row 0's output
+    index = next(i for i in range(5, len(ref)) if ref[i] not in ref[:i])
+    tok = copy.copy(loaded.tokenizer)
+    tok.eos_ids = frozenset({ref[index]})
+    gen = GenerationConfig(max_new_tokens=40)
+    plain = Engine(loaded.model, tok).generate(prompts, gen)
+    assert plain[0].finish_reason == "eos" and plain[0].tokens == ref[:index]
+    for name, engine in _stop_engines(loaded, tok, truths, prompts).items():
+        got = engine.generate(prompts, gen)
+        for a, b in zip(plain, got):
+            assert (b.tokens, b.text, b.finish_reason) == (a.tokens, a.text, a.finish_reason), name
+        if name == "perfect chain":  # the EOS was drafted and verified inside a multi-token step
+            assert got[0].stats.steps < index
+
+
+def test_stop_string_inside_an_accepted_run(setup: Setup) -> None:
+    loaded = setup.loaded
+    prompts, truths = setup.prompts[:4], setup.refs[:4]
+    free = plain_engine(loaded).generate(prompts[:1], GEN)[0]
+    stop = next(free.text[i : i + 2] for i in range(8, len(free.text))
+                if free.text[i : i + 2].isascii() and free.text[i : i + 2].isprintable()
+                and free.text[i : i + 2].strip() and free.text.find(free.text[i : i + 2]) == i)
+    gen = GenerationConfig(max_new_tokens=40, ignore_eos=True, stop=(stop,))
+    plain = plain_engine(loaded).generate(prompts, gen)
+    assert plain[0].finish_reason == "stop" and plain[0].text == free.text[: free.text.find(stop)]
+    for name, engine in _stop_engines(loaded, loaded.tokenizer, truths, prompts).items():
+        streamed: dict[int, list[str]] = {}
+        got = engine.generate(prompts, gen, on_text=lambda e: streamed.setdefault(e.row, []).append(e.text))
+        for row, (a, b) in enumerate(zip(plain, got)):
+            assert (b.tokens, b.text, b.finish_reason) == (a.tokens, a.text, a.finish_reason), name
+            assert "".join(streamed.get(row, [])) == b.text
+        if name == "perfect chain":  # the stop string ended a multi-token step
+            assert got[0].stats.steps < len(got[0].tokens) - 1
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 7, 9])
+def test_max_new_tokens_inside_an_accepted_run(setup: Setup, max_new: int) -> None:
+    loaded = setup.loaded
+    prompts, truths = setup.prompts[:4], setup.refs[:4]
+    gen = GenerationConfig(max_new_tokens=max_new, ignore_eos=True)
+    for name, engine in _stop_engines(loaded, loaded.tokenizer, truths, prompts).items():
+        got = engine.generate(prompts, gen)
+        for r, ref in zip(got, truths):
+            assert r.tokens == ref[:max_new] and r.finish_reason == "length", name
+            assert r.stats.emitted == max_new - 1
+
+
+# =========================================================================== bad input and the context limit
+
+
+@pytest.mark.parametrize("k", [0, -1, 257, 10**6])
+def test_bad_draft_length_raises(k: int) -> None:
+    with pytest.raises(SpecdraftError):
+        PolicyConfig(k=k)
+
+
+@pytest.mark.parametrize("options", [dict(max_n=-1), dict(min_n=3, max_n=2), dict(max_n=10**6), dict(min_n=0),
+                                     dict(branches=0), dict(branches=5, max_occurrences=4)])
+def test_bad_ngram_config_raises(options: dict) -> None:
+    with pytest.raises(SpecdraftError):
+        NgramConfig(**options)
+    with pytest.raises(SpecdraftError):
+        make_proposer("ngram", {k: str(v) for k, v in options.items()})
+
+
+def test_adaptive_policy_needs_a_cost_model() -> None:
+    with pytest.raises(SpecdraftError):
+        Policy(PolicyConfig(kind="adaptive"))
+    with pytest.raises(SpecdraftError):
+        PolicyConfig(kind="sometimes")  # type: ignore[arg-type]
+
+
+def _near_full_prompt(loaded: LoadedModel) -> list[int]:
+    """A looping prompt of max_context - 3 tokens (so n-gram drafts exist right at the end)."""
+    n = loaded.config.max_context - 3
+    base = loaded.tokenizer.encode("a b c a b c ")
+    return (base * (n // len(base) + 1))[:n]
+
+
+@pytest.mark.parametrize("branches", [1, 2])
+def test_prompt_that_nearly_fills_the_context(loopy: Setup, branches: int) -> None:
+    prompt = _near_full_prompt(loopy.loaded)
+    gen = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    ref = plain_engine(loopy.loaded).generate([prompt], gen)[0]
+    got = spec_engine(loopy.loaded, NgramProposer(NgramConfig(branches=branches)), 8).generate([prompt], gen)[0]
+    assert got.tokens == ref.tokens and got.finish_reason == ref.finish_reason == "context"
+    assert len(got.tokens) == 3
+
+
+def test_batch_mixing_a_near_full_prompt_with_short_ones(loopy: Setup) -> None:
+    prompts = [loopy.prompts[0], _near_full_prompt(loopy.loaded), loopy.prompts[3]]
+    gen = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    plain = plain_engine(loopy.loaded).generate(prompts, gen)
+    for proposer in (NgramProposer(), NgramProposer(NgramConfig(branches=2))):
+        got = spec_engine(loopy.loaded, proposer, 8, "adaptive", batch=3).generate(prompts, gen)
+        for a, b in zip(plain, got):
+            assert (a.tokens, a.finish_reason) == (b.tokens, b.finish_reason)
+    assert [r.finish_reason for r in plain] == ["length", "context", "length"]
+
+
+# =========================================================================== the n-gram proposer
+
+
+def propose(proposer: NgramProposer, tokens: list[int], budget: int, row: int = 0) -> Draft:
+    seq = SimpleNamespace(tokens=tokens)
+    if row not in proposer.index:
+        proposer.begin(row, seq)  # type: ignore[arg-type]
+    return proposer.propose([seq], [budget])[0]  # type: ignore[list-item]
+
+
+def test_ngram_proposes_after_the_most_recent_longest_match() -> None:
+    # suffix (1, 2, 3) occurs earlier ending at 3 and at 7; the most recent is followed by 7, 5
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]
+    assert propose(NgramProposer(), tokens, 3).tokens == (7, 5, 1)
+    # the longest suffix wins over a more recent shorter one: (4, 3) -> 9, although (3) -> 6
+    tokens = [4, 3, 9, 7, 3, 6, 4, 3]
+    d = propose(NgramProposer(NgramConfig(max_n=2)), tokens, 4)
+    assert d.tokens == (9, 7, 3, 6) and d.is_chain
+    assert propose(NgramProposer(NgramConfig(max_n=1)), tokens, 2).tokens == (6, 4)
+
+
+def test_ngram_respects_the_budget_and_min_n() -> None:
+    tokens = [1, 2, 3, 4, 5, 6, 1, 2]
+    for budget in range(1, 9):
+        d = propose(NgramProposer(), tokens, budget)
+        assert len(d) == budget and d.tokens == tuple(continuation(tokens, 2, budget))
+    assert len(propose(NgramProposer(), tokens, 0)) == 0
+    # with min_n = 3 the two-token suffix (1, 2) is too short to count
+    assert len(propose(NgramProposer(NgramConfig(min_n=3, max_n=3)), tokens, 4)) == 0
+
+
+def test_ngram_empty_without_a_match() -> None:
+    assert len(propose(NgramProposer(), [1, 2, 3, 4], 5)) == 0
+    assert len(propose(NgramProposer(), [7], 5)) == 0
+    # idle rows and zero budgets get empty drafts
+    p = NgramProposer()
+    p.begin(0, SimpleNamespace(tokens=[1, 1, 1]))  # type: ignore[arg-type]
+    assert [len(d) for d in p.propose([None], [4])] == [0]
+
+
+def test_ngram_continues_periodic_patterns_past_the_context() -> None:
+    assert propose(NgramProposer(), [1, 2, 3, 1, 2, 3], 8).tokens == (1, 2, 3, 1, 2, 3, 1, 2)
+    assert propose(NgramProposer(), [5, 5, 5], 6).tokens == (5,) * 6
+    assert propose(NgramProposer(), [9, 1, 2, 1, 2], 5).tokens == (1, 2, 1, 2, 1)
+
+
+def test_ngram_branches_give_a_tree_of_distinct_continuations() -> None:
+    tokens = [7, 1, 8, 7, 2, 8, 7, 3, 8, 7]  # after 7 came 1, 2 and 3 (3 most recently)
+    d = propose(NgramProposer(NgramConfig(max_n=1, branches=3)), tokens, 6)
+    assert not d.is_chain and len(d) <= 6
+    roots = [d.tokens[c] for c in d.children()[0]]
+    assert roots == [3, 2, 1]  # newest occurrence first, all distinct
+    assert [d.tokens[i] for i in d.paths()[0]] == [3, 8, 7]  # the newest keeps half the budget
+    for group in d.children():
+        assert len({d.tokens[c] for c in group}) == len(group)
+    # two occurrences with the same continuation merge into one path
+    same = propose(NgramProposer(NgramConfig(max_n=1, branches=2)), [7, 1, 7, 1, 7], 4)
+    assert same.is_chain and same.tokens == (1, 7, 1, 7)
+    # a budget of one keeps a single node
+    assert len(propose(NgramProposer(NgramConfig(max_n=1, branches=3)), tokens, 1)) == 1
+
+
+def test_ngram_index_is_incremental() -> None:
+    config = NgramConfig(max_n=2)
+    proposer = NgramProposer(config)
+    tokens = [1, 2, 3, 4, 5]
+    propose(proposer, tokens, 2)
+    index = proposer.index[0]
+    assert index.indexed_to == len(tokens) - 1  # everything but the current suffix
+    assert (4, 5) not in index.table and (5,) not in index.table  # never matched with itself
+    before = {k: list(v) for k, v in index.table.items()}
+    tokens += [6, 1, 2]
+    propose(proposer, tokens, 2)
+    assert index.indexed_to == len(tokens) - 1
+    # only the n-grams ending at the new positions 5, 6, 7 were added, each once
+    added = {k: [e for e in v if e not in before.get(k, [])] for k, v in index.table.items()}
+    new_ends = sorted(e for v in added.values() for e in v)
+    assert new_ends == [5, 5, 6, 6, 7, 7]
+    assert all(len(v) == len(set(v)) for v in index.table.values())
+    # a fresh index built in one go is identical
+    fresh = NgramIndex(config)
+    fresh.extend(tokens, len(tokens) - 1)
+    assert fresh.table == index.table
+    # extending to the same position again adds nothing
+    index.extend(tokens, len(tokens) - 1)
+    assert fresh.table == index.table
+    # the table keeps only the most recent max_occurrences positions per n-gram
+    small = NgramIndex(NgramConfig(max_n=1, max_occurrences=2))
+    small.extend([4] * 6, 6)
+    assert small.table[(4,)] == [5, 6]
+    assert small.lookup([4] * 7) == [6, 5]
+
+
+def test_ngram_rows_are_independent() -> None:
+    p = NgramProposer()
+    a = SimpleNamespace(tokens=[1, 2, 1])
+    b = SimpleNamespace(tokens=[3, 4, 3])
+    p.begin(0, a)  # type: ignore[arg-type]
+    p.begin(1, b)  # type: ignore[arg-type]
+    da, db = p.propose([a, b], [2, 2])  # type: ignore[list-item]
+    assert da.tokens == (2, 1) and db.tokens == (4, 3)
+    p.end(0)
+    assert 0 not in p.index and p.memory_bytes() > 0
+
+
+# =========================================================================== the policy
+
+
+def _evidence(policy: Policy, row: int, steps: int, accepted: int, depth: int = 8) -> None:
+    draft = Draft.chain(list(range(depth)))
+    for _ in range(steps):
+        policy.observe(row, draft, Acceptance(tuple(range(accepted)), tuple(range(accepted + 1))))
+
+
+def test_adaptive_picks_a_long_draft_when_extra_tokens_are_nearly_free() -> None:
+    policy = Policy(PolicyConfig(kind="adaptive", k=8), cost_table(1, per_token=0.001))
+    policy.begin(0)
+    _evidence(policy, 0, 10, accepted=8)
+    assert policy.alpha(0) > 0.9
+    assert policy.budgets([8], 1) == [8]
+    assert policy.budgets([3], 1) == [3]  # capped by the row's room
+
+
+def test_adaptive_turns_speculation_off_when_verification_is_expensive() -> None:
+    batch = 64
+    policy = Policy(PolicyConfig(kind="adaptive", k=8), cost_table(batch, per_token=1.0))  # cost grows like q
+    for row in range(batch):
+        policy.begin(row)
+        _evidence(policy, row, 10, accepted=8)
+    assert policy.budgets([8] * batch, batch) == [0] * batch
+    # and a low acceptance turns it off even when extra tokens cost little
+    cheap = Policy(PolicyConfig(kind="adaptive", k=8), cost_table(1, per_token=0.3))
+    cheap.begin(0)
+    _evidence(cheap, 0, 20, accepted=0)
+    assert cheap.budgets([8], 1) == [0]
+
+
+def test_adaptive_alpha_follows_the_evidence() -> None:
+    policy = Policy(PolicyConfig(kind="adaptive", k=8, prior=0.5), cost_table(1))
+    policy.begin(0)
+    assert policy.alpha(0) == pytest.approx(0.5)
+    _evidence(policy, 0, 3, accepted=6)
+    high = policy.alpha(0)
+    assert high > 0.5
+    _evidence(policy, 0, 3, accepted=0)
+    assert policy.alpha(0) < high
+    # an empty draft is no evidence
+    a = policy.alpha(0)
+    policy.observe(0, Draft.empty(), Acceptance((), (1,)))
+    assert policy.alpha(0) == a
+    # old evidence decays toward the prior as steps pass
+    for _ in range(200):
+        policy.budgets([8], 1)
+    assert policy.alpha(0) == pytest.approx(0.5, abs=0.01)
+
+
+def test_fixed_policy_returns_k_capped() -> None:
+    policy = Policy(PolicyConfig(kind="fixed", k=4))
+    assert policy.budgets([0, 2, 4, 9], 4) == [0, 2, 4, 4]
+
+
+def test_expected_tokens() -> None:
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 5) == 6.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+# =========================================================================== the verify command
+
+
+def test_verify_cli_reports_identical(tiny_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": f"p{i}", "prompt": t}) for i, t in enumerate(TEXTS[:3])) + "\n")
+    code = main(["verify", "--model", str(tiny_gguf), "--prompts", str(prompts), "--limit", "3",
+                 "--max-new-tokens", "16"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "identical: 3/3" in out
+
+
+@pytest.fixture(scope="module")
+def other_tiny(tiny_hf: Path, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """A tiny model with other weights and the same tokenizer."""
+    return load(write_hf_model(tmp_path_factory.mktemp("other") / "tiny-llama-seed1", "llama", seed=1))
+
+
+def test_verify_reports_the_first_difference(tiny: Setup, other_tiny: LoadedModel) -> None:
+    tiny = tiny.loaded
+    assert other_tiny.tokenizer.encode("Hello there") == tiny.tokenizer.encode("Hello there")
+    gen = GenerationConfig(max_new_tokens=12)
+    plain = Engine(tiny.model, tiny.tokenizer)
+    spec = Engine(other_tiny.model, tiny.tokenizer, NgramProposer(), Policy(PolicyConfig(kind="fixed", k=4)))
+    report = VerifyReport()
+    compare_prompt(Prompt("x", "mine", ("Hello there",)), plain, spec, gen, 200, report)
+    assert report.prompts == 1 and report.turns == 1 and report.matched_turns == 0
+    [m] = report.mismatches
+    ids = tiny.tokenizer.encode_chat([{"role": "user", "content": "Hello there"}])
+    ref = plain.generate([ids], gen)[0]
+    got = spec.generate([ids], gen)[0]
+    assert isinstance(m, Mismatch) and (m.prompt_id, m.workload, m.turn) == ("x", "mine", 0)
+    assert m.token_index == first_difference(ref.tokens, got.tokens) >= 0
+    assert m.char_index == first_difference(ref.text, got.text) >= 0
+    assert (m.plain, m.speculative) == (ref.text, got.text)
+
+
+def test_verify_cli_exits_1_on_a_mismatch(tiny_gguf: Path, other_tiny: LoadedModel, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    real_build = verify_module.build_engine
+
+    def build(loaded, method="plain", **kw):  # the speculative engine runs on other weights
+        if method != "plain":
+            loaded = LoadedModel(other_tiny.model, loaded.tokenizer, loaded.source)
+        return real_build(loaded, method, **kw)
+
+    monkeypatch.setattr(verify_module, "build_engine", build)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "only", "prompt": "Hello there"}) + "\n")
+    code = main(["verify", "--model", str(tiny_gguf), "--prompts", str(prompts), "--max-new-tokens", "12"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "identical: 0/1" in out and "MISMATCH only" in out and "first difference at token" in out
+
+
+# =========================================================================== the real model
+
+
+@pytest.mark.real_model
+def test_ngram_greedy_equals_plain_on_the_default_model() -> None:
+    try:
+        path = default_model_path()
+    except ModelFileError:
+        pytest.skip("the default model is not installed")
+    loaded = load(path, dtype="float32")
+    questions = [
+        "Repeat after me: the cat sat on the mat, the cat sat on the mat.",
+        "List the numbers from one to ten.",
+        "Write a Python function that adds two numbers.",
+        "What is the capital of France?",
+    ]
+    prompts = [loaded.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
+    gen = GenerationConfig(max_new_tokens=32)
+    plain = plain_engine(loaded).generate(prompts, gen)
+    stats = SpecStats()
+    spec = spec_engine(loaded, NgramProposer(), 6).generate(prompts, gen, stats=stats)
+    for a, b in zip(plain, spec):
+        assert (a.text, a.tokens, a.finish_reason) == (b.text, b.tokens, b.finish_reason)
+    assert stats.accepted > 0
