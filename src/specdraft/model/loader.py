@@ -102,6 +102,7 @@ def build_transformer(
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    pack_weights: bool = True,
 ) -> Transformer:
     """Build the decoder from Hugging Face-named weights, fusing q/k/v and gate/up."""
     with torch.device("meta"):
@@ -110,7 +111,10 @@ def build_transformer(
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_embeddings:
         model.lm_head.weight = model.embed.weight
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    if pack_weights:
+        model.pack_weights()
+    return model
 
 
 def fused_state_dict(config: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:

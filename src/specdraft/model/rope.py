@@ -57,15 +57,20 @@ def _yarn(inv_freq: Tensor, s: RopeScaling, dim: int, base: float) -> tuple[Tens
 
 
 def rope_table(config: ModelConfig, length: int, device: torch.device | str) -> tuple[Tensor, Tensor]:
-    """cos, sin: [length, D] float32 for positions 0..length-1."""
+    """cos, sin: [length, D] float32 for positions 0..length-1. ``sin``'s first half is
+    negated, so that :func:`apply_rope` needs only a roll (see there)."""
     inv_freq, scale = inverse_frequencies(config)
     freqs = torch.outer(torch.arange(length, dtype=torch.float64, device="cpu"), inv_freq)  # [S, D/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [S, D]
-    return (emb.cos() * scale).float().to(device), (emb.sin() * scale).float().to(device)
+    sin = emb.sin() * scale
+    sin[:, : freqs.shape[1]] *= -1
+    return (emb.cos() * scale).float().to(device), sin.float().to(device)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: [B, H, T, D]; cos, sin: [B, 1, T, D] in x's dtype."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    """Hugging Face's ``x * cos + rotate_half(x) * sin``, with rotate_half(x) = [-x2, x1]
+    written as roll(x) = [x2, x1] times the sign-folded ``sin`` table.
+
+    x: [..., D]; cos, sin: broadcastable to x, in x's dtype.
+    """
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)

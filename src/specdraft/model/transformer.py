@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from specdraft.errors import ContextOverflowError
 from specdraft.model.config import ModelConfig
 from specdraft.model.kv_cache import KVCache
+from specdraft.model.linear import Linear
 from specdraft.model.rope import apply_rope, rope_table
 
 
@@ -33,9 +34,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:  # x: [..., H]
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
 
 
 class Block(nn.Module):
@@ -46,16 +47,16 @@ class Block(nn.Module):
         self.c = c
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.wqkv = nn.Linear(c.hidden_size, q + 2 * kv, bias=c.attention_bias)
-        self.wo = nn.Linear(q, c.hidden_size, bias=False)
+        self.wqkv = Linear(c.hidden_size, q + 2 * kv, bias=c.attention_bias)
+        self.wo = Linear(q, c.hidden_size, bias=False)
         self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.w_gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
-        self.w_down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.w_gate_up = Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.w_down = Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache, layer: int
     ) -> Tensor:
-        """x: [B, T, H]; cos, sin: [B, 1, T, D]; mask: [B, 1, 1, T, S] bool (True = attend) or None."""
+        """x: [B, T, H]; cos, sin: [B, T, 1, D]; mask: [B, 1, G*T, S] bool (True = attend) or None."""
         x = x + self.attention(self.attn_norm(x), cos, sin, mask, cache, layer)
         gate, up = self.w_gate_up(self.ffn_norm(x)).chunk(2, dim=-1)
         return x + self.w_down(F.silu(gate) * up)
@@ -65,31 +66,28 @@ class Block(nn.Module):
     ) -> Tensor:
         c = self.c
         b, t, _ = x.shape
-        q, k, v = self.wqkv(x).split(
-            [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], dim=-1
-        )
-        q = apply_rope(q.view(b, t, c.num_heads, c.head_dim).transpose(1, 2), cos, sin)  # [B, Hq, T, D]
-        k = apply_rope(k.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
-        v = v.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        hq, hkv = c.num_heads, c.num_kv_heads
+        qkv = self.wqkv(x).view(b, t, hq + 2 * hkv, c.head_dim)  # [B, T, Hq + 2 Hkv, D]
+        qk = apply_rope(qkv[:, :, : hq + hkv], cos, sin)  # [B, T, Hq + Hkv, D], one call for q and k
+        q = qk[:, :, :hq].transpose(1, 2)  # [B, Hq, T, D]
+        k = qk[:, :, hq:].transpose(1, 2)  # [B, Hkv, T, D]
+        v = qkv[:, :, hq + hkv :].transpose(1, 2)  # [B, Hkv, T, D]
         keys, values = cache.write(layer, k, v)  # [B, Hkv, S, D]
         out = grouped_attention(q, keys, values, mask, c.group_size)  # [B, Hq, T, D]
-        return self.wo(out.transpose(1, 2).reshape(b, t, c.num_heads * c.head_dim))
+        return self.wo(out.transpose(1, 2).reshape(b, t, hq * c.head_dim))
 
 
 def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, group: int) -> Tensor:
-    """Grouped-query attention without repeating K/V: the `group` query heads that share a
-    key/value head are stacked along the query axis of one matrix product.
+    """Grouped-query attention without repeating K/V: the ``group`` query heads that share a
+    key/value head are stacked along the query axis, making it plain multi-head attention over
+    the key/value heads (one fused SDPA call).
 
-    q: [B, Hq, T, D]; k, v: [B, Hkv, S, D]; mask: [B, 1, 1, T, S] bool or None. Returns [B, Hq, T, D].
+    q: [B, Hq, T, D]; k, v: [B, Hkv, S, D]; mask: [B, 1, G*T, S] bool or None. Returns [B, Hq, T, D].
     """
     b, hq, t, d = q.shape
-    hkv, s = k.shape[1], k.shape[2]
-    qg = q.reshape(b, hkv, group * t, d)  # head h = kv * group + g
-    scores = torch.matmul(qg, k.transpose(-1, -2)) * d**-0.5  # [B, Hkv, G*T, S]
-    if mask is not None:
-        scores = scores.view(b, hkv, group, t, s).masked_fill(~mask, float("-inf")).view(b, hkv, group * t, s)
-    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
-    return torch.matmul(probs, v).view(b, hq, t, d)
+    qg = q.reshape(b, k.shape[1], group * t, d)  # head h = kv * group + g
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)  # [B, Hkv, G*T, D]
+    return out.view(b, hq, t, d)
 
 
 class Transformer(nn.Module):
@@ -99,12 +97,18 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         cos, sin = rope_table(config, config.max_position, "cpu")
         self.register_buffer("rope_cos", cos, persistent=False)  # [S, D]
         self.register_buffer("rope_sin", sin, persistent=False)  # [S, D]
+
+    def pack_weights(self, enable: bool = True) -> None:
+        """Make (or drop) the oneDNN-packed weight copies used for CPU inference."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.pack() if enable else m.unpack()
 
     @property
     def device(self) -> torch.device:
@@ -153,8 +157,11 @@ class Transformer(nn.Module):
                 f"position {int(positions.max())} is past the model's context of {c.max_position}"
             )
         full_mask = attention_mask(cache.lengths, t, mask, tokens.device)  # [B, 1, 1, T, S] | None
-        cos = self.rope_cos[positions].unsqueeze(1).to(self.dtype)  # [B, 1, T, D]
-        sin = self.rope_sin[positions].unsqueeze(1).to(self.dtype)
+        if full_mask is not None:  # to SDPA's layout over the stacked query heads: [B, 1, G*T, S]
+            g = c.group_size
+            full_mask = full_mask.expand(b, 1, g, t, full_mask.shape[-1]).reshape(b, 1, g * t, -1)
+        cos = self.rope_cos[positions].unsqueeze(2).to(self.dtype)  # [B, T, 1, D]
+        sin = self.rope_sin[positions].unsqueeze(2).to(self.dtype)  # [B, T, 1, D], sign folded in
         x = self.embed(tokens)  # [B, T, H]
         hidden = {0: x} if 0 in return_hidden else {}
         for i in range(depth):
