@@ -455,3 +455,31 @@ def test_context_and_cache_limits(tiny: Transformer) -> None:
         cache.truncate([1, 2, 3])
     with pytest.raises(ValueError):
         cache.truncate(1)  # past the committed length (0)
+
+
+def test_packed_linear_follows_weight_changes_and_copies() -> None:
+    """The oneDNN-packed copy must never serve a stale weight: in-place edits, replaced
+    weights and deep copies all give what F.linear gives."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from specdraft.model.linear import Linear, onednn_available
+
+    if not onednn_available():
+        pytest.skip("oneDNN not available")
+    lin = Linear(16, 8, bias=True)
+    lin.pack()
+    x = torch.randn(3, 16)
+    with torch.inference_mode():
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+    with torch.no_grad():
+        lin.weight.mul_(0.5)
+    with torch.inference_mode():
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+    lin.weight = torch.nn.Parameter(torch.randn(8, 16))
+    clone = copy.deepcopy(lin)
+    with torch.inference_mode():
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+        torch.testing.assert_close(clone(x), F.linear(x, lin.weight, lin.bias))
+    assert clone.packed is not None

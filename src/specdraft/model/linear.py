@@ -9,10 +9,13 @@ token, although both are memory-bound. oneDNN with a pre-packed (blocked) weight
 - bfloat16 / float16: always packed (bit-identical to the default path, measured).
 
 The packed copy costs the weight's memory again; ``pack()`` is opt-out (``pack_weights=False``
-when loading). Training and autograd always use the plain weight.
+when loading). Training and autograd always use the plain weight. A weight changed after
+packing (in place or replaced) is repacked on the next call; deep copies repack themselves.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.nn.functional as F
@@ -29,23 +32,43 @@ class Linear(nn.Linear):
     """nn.Linear whose inference forward may use a packed weight (see module doc)."""
 
     packed: Tensor | None
+    _packed_key: tuple[int, int, torch.dtype] | None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.packed = None
+        self._packed_key = None
+
+    def _weight_key(self) -> tuple[int, int, torch.dtype]:
+        return (self.weight.data_ptr(), self.weight._version, self.weight.dtype)
 
     def pack(self) -> None:
         """Make the packed copy (CPU only; a no-op where oneDNN is missing)."""
-        if self.weight.device.type != "cpu" or not onednn_available():
-            self.packed = None
+        packable = self.weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        if self.weight.device.type != "cpu" or not packable or not onednn_available():
+            self.unpack()
             return
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        self._packed_key = self._weight_key()
 
     def unpack(self) -> None:
         self.packed = None
+        self._packed_key = None
+
+    def __deepcopy__(self, memo: dict[int, object]) -> "Linear":
+        clone = Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        memo[id(self)] = clone
+        clone.weight = copy.deepcopy(self.weight, memo)
+        clone.bias = copy.deepcopy(self.bias, memo)
+        clone.train(self.training)
+        if self.packed is not None:
+            clone.pack()
+        return clone
 
     def forward(self, x: Tensor) -> Tensor:  # x: [..., in] -> [..., out]
         if self.packed is not None and not torch.is_grad_enabled() and self._use_packed(x):
+            if self._packed_key != self._weight_key():
+                self.pack()
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
