@@ -1,17 +1,20 @@
 """How far to speculate: fixed draft length, or adaptive with batch-size gating.
 
 The adaptive policy keeps, per request, an estimate of the per-token acceptance probability
-alpha (decaying counts of accepted and rejected draft positions, so it follows recent
-behaviour and drifts back to its prior when nothing is observed). With alpha, a draft of k
-tokens is expected to emit E(k) = (1 - alpha^(k+1)) / (1 - alpha) tokens per target pass
-(bonus included). A cost model gives the measured latency of one target forward over q new
-tokens per row at the current batch size. Each step the policy picks the draft length K that
-maximises expected tokens per second for the whole batch,
+alpha: decaying counts of accepted and rejected draft positions over the request's recent
+drafts, plus a cautious prior. With alpha, a draft of k tokens is expected to emit
+E(k) = (1 - alpha^(k+1)) / (1 - alpha) tokens per target pass (bonus included). A cost model
+gives the measured latency of one target forward over q new tokens per row at the current
+batch size. Each step the policy picks the draft length K that maximises expected tokens per
+second for the whole batch,
 
     sum_rows E_row(K) / (latency(batch, 1 + K) + propose_cost(K)),
 
 and K = 0 (plain decoding) whenever speculation would not pay: at large batch the
 verification of extra tokens is no longer free, so speculation switches itself off there.
+While off, the policy probes (drafts ``probe_k`` tokens once every ``probe_every`` steps) only
+where a probe is cheap (latency(batch, 1 + probe_k) <= ``probe_cost`` x latency(batch, 1)), so
+that a request whose text becomes predictable again is noticed.
 """
 
 from __future__ import annotations
@@ -33,12 +36,15 @@ from specdraft.model.transformer import Transformer
 @dataclass(frozen=True, slots=True)
 class PolicyConfig:
     """kind: "fixed" always drafts k tokens; "adaptive" chooses 0..k per step (see module doc).
-    decay: weight of past evidence per step (adaptive). prior: initial alpha (adaptive)."""
+    decay: weight kept by older draft outcomes at each new one. prior: alpha before any
+    evidence (worth one draft position). probe_every / probe_cost: see the module doc."""
 
     kind: Literal["fixed", "adaptive"] = "adaptive"
     k: int = 8
-    decay: float = 0.9
-    prior: float = 0.5
+    decay: float = 0.95
+    prior: float = 0.3
+    probe_every: int = 16
+    probe_cost: float = 1.6
 
     def __post_init__(self) -> None:
         if self.kind not in ("fixed", "adaptive"):
@@ -47,6 +53,12 @@ class PolicyConfig:
             raise SpecdraftError(f"draft length k must be an integer in 1..256, got {self.k!r}")
         if not 0 < self.decay < 1 or not 0 < self.prior < 1:
             raise SpecdraftError("policy decay and prior must be in (0, 1)")
+        if self.probe_every < 1 or self.probe_cost < 1:
+            raise SpecdraftError("probe_every must be >= 1 and probe_cost >= 1")
+
+    @property
+    def probe_k(self) -> int:
+        return max(1, self.k // 2)
 
 
 @dataclass(slots=True)
@@ -133,6 +145,7 @@ class Policy:
         self.config = config
         self.cost = cost
         self.evidence: dict[int, _Evidence] = {}
+        self.idle_steps = 0  # consecutive steps the adaptive policy chose not to speculate
         self.propose_s_per_step = 0.0  # running estimate of the proposer's cost when drafting
 
     def begin(self, row: int) -> None:
@@ -143,8 +156,7 @@ class Policy:
 
     def alpha(self, row: int) -> float:
         e = self.evidence.get(row, _Evidence())
-        prior_weight = 2.0
-        return (e.accepted + self.config.prior * prior_weight) / (e.accepted + e.rejected + prior_weight)
+        return (e.accepted + self.config.prior) / (e.accepted + e.rejected + 1.0)
 
     def budgets(self, caps: Seq[int], batch: int) -> list[int]:
         """Draft length per row. caps[row]: the most that row may draft (0 = idle/finished).
@@ -152,11 +164,21 @@ class Policy:
         k = self.config.k
         if self.config.kind == "fixed":
             return [min(k, c) for c in caps]
-        for e in self.evidence.values():
-            e.accepted *= self.config.decay
-            e.rejected *= self.config.decay
         best = self.best_length(caps, batch)
+        if best > 0:
+            self.idle_steps = 0
+        else:
+            self.idle_steps += 1
+            if self.idle_steps >= self.config.probe_every and self._cheap_probe(batch):
+                self.idle_steps = 0
+                best = self.config.probe_k
         return [min(best, c) for c in caps]
+
+    def _cheap_probe(self, batch: int) -> bool:
+        assert self.cost is not None
+        q_max = 1 + self.config.k
+        ratio = self.cost.latency(batch, 1 + self.config.probe_k, q_max) / self.cost.latency(batch, 1, q_max)
+        return ratio <= self.config.probe_cost
 
     def best_length(self, caps: Seq[int], batch: int) -> int:
         assert self.cost is not None
@@ -164,9 +186,10 @@ class Policy:
         if not live:
             return 0
         q_max = 1 + self.config.k
+        alphas = [(self.alpha(row), c) for row, c in live]
         best, best_rate = 0, 0.0
         for k in range(0, self.config.k + 1):
-            gain = sum(expected_tokens(self.alpha(row), min(k, c)) for row, c in live)
+            gain = sum(expected_tokens(a, min(k, c)) for a, c in alphas)
             cost = self.cost.latency(batch, 1 + k, q_max) + (self.propose_s_per_step if k else 0.0)
             if gain / cost > best_rate:
                 best, best_rate = k, gain / cost
@@ -177,8 +200,9 @@ class Policy:
         if depth == 0 or row not in self.evidence:
             return
         e = self.evidence[row]
-        e.accepted += acceptance.accepted
-        e.rejected += 1.0 if acceptance.accepted < depth else 0.0
+        d = self.config.decay
+        e.accepted = d * e.accepted + acceptance.accepted
+        e.rejected = d * e.rejected + (1.0 if acceptance.accepted < depth else 0.0)
 
     def observe_propose_time(self, seconds: float) -> None:
         self.propose_s_per_step = 0.8 * self.propose_s_per_step + 0.2 * seconds if self.propose_s_per_step else seconds
