@@ -407,6 +407,8 @@ def test_batch_mixing_a_near_full_prompt_with_short_ones(loopy: Setup) -> None:
 
 # =========================================================================== the n-gram proposer
 
+CLASSIC = NgramConfig(max_n=3, min_n=1)  # the unit tests below were written for suffixes of 1..3 tokens
+
 
 def propose(proposer: NgramProposer, tokens: list[int], budget: int, row: int = 0) -> Draft:
     seq = SimpleNamespace(tokens=tokens)
@@ -418,42 +420,42 @@ def propose(proposer: NgramProposer, tokens: list[int], budget: int, row: int = 
 def test_ngram_proposes_after_the_most_recent_longest_match() -> None:
     # suffix (1, 2, 3) occurs earlier ending at 3 and at 7; the most recent is followed by 7, 5
     tokens = [1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]
-    assert propose(NgramProposer(), tokens, 3).tokens == (7, 5, 1)
+    assert propose(NgramProposer(CLASSIC), tokens, 3).tokens == (7, 5, 1)
     # the longest suffix wins over a more recent shorter one: (4, 3) -> 9, although (3) -> 6
     tokens = [4, 3, 9, 7, 3, 6, 4, 3]
-    d = propose(NgramProposer(NgramConfig(max_n=2)), tokens, 4)
+    d = propose(NgramProposer(NgramConfig(min_n=1, max_n=2)), tokens, 4)
     assert d.tokens == (9, 7, 3, 6) and d.is_chain
-    assert propose(NgramProposer(NgramConfig(max_n=1)), tokens, 2).tokens == (6, 4)
+    assert propose(NgramProposer(NgramConfig(min_n=1, max_n=1)), tokens, 2).tokens == (6, 4)
 
 
 def test_ngram_respects_the_budget_and_min_n() -> None:
     tokens = [1, 2, 3, 4, 5, 6, 1, 2]
     for budget in range(1, 9):
-        d = propose(NgramProposer(), tokens, budget)
+        d = propose(NgramProposer(CLASSIC), tokens, budget)
         assert len(d) == budget and d.tokens == tuple(continuation(tokens, 2, budget))
-    assert len(propose(NgramProposer(), tokens, 0)) == 0
+    assert len(propose(NgramProposer(CLASSIC), tokens, 0)) == 0
     # with min_n = 3 the two-token suffix (1, 2) is too short to count
     assert len(propose(NgramProposer(NgramConfig(min_n=3, max_n=3)), tokens, 4)) == 0
 
 
 def test_ngram_empty_without_a_match() -> None:
-    assert len(propose(NgramProposer(), [1, 2, 3, 4], 5)) == 0
-    assert len(propose(NgramProposer(), [7], 5)) == 0
+    assert len(propose(NgramProposer(CLASSIC), [1, 2, 3, 4], 5)) == 0
+    assert len(propose(NgramProposer(CLASSIC), [7], 5)) == 0
     # idle rows and zero budgets get empty drafts
-    p = NgramProposer()
+    p = NgramProposer(CLASSIC)
     p.begin(0, SimpleNamespace(tokens=[1, 1, 1]))  # type: ignore[arg-type]
     assert [len(d) for d in p.propose([None], [4])] == [0]
 
 
 def test_ngram_continues_periodic_patterns_past_the_context() -> None:
-    assert propose(NgramProposer(), [1, 2, 3, 1, 2, 3], 8).tokens == (1, 2, 3, 1, 2, 3, 1, 2)
-    assert propose(NgramProposer(), [5, 5, 5], 6).tokens == (5,) * 6
-    assert propose(NgramProposer(), [9, 1, 2, 1, 2], 5).tokens == (1, 2, 1, 2, 1)
+    assert propose(NgramProposer(CLASSIC), [1, 2, 3, 1, 2, 3], 8).tokens == (1, 2, 3, 1, 2, 3, 1, 2)
+    assert propose(NgramProposer(CLASSIC), [5, 5, 5], 6).tokens == (5,) * 6
+    assert propose(NgramProposer(CLASSIC), [9, 1, 2, 1, 2], 5).tokens == (1, 2, 1, 2, 1)
 
 
 def test_ngram_branches_give_a_tree_of_distinct_continuations() -> None:
     tokens = [7, 1, 8, 7, 2, 8, 7, 3, 8, 7]  # after 7 came 1, 2 and 3 (3 most recently)
-    d = propose(NgramProposer(NgramConfig(max_n=1, branches=3)), tokens, 6)
+    d = propose(NgramProposer(NgramConfig(min_n=1, max_n=1, branches=3)), tokens, 6)
     assert not d.is_chain and len(d) <= 6
     roots = [d.tokens[c] for c in d.children()[0]]
     assert roots == [3, 2, 1]  # newest occurrence first, all distinct
@@ -461,14 +463,14 @@ def test_ngram_branches_give_a_tree_of_distinct_continuations() -> None:
     for group in d.children():
         assert len({d.tokens[c] for c in group}) == len(group)
     # two occurrences with the same continuation merge into one path
-    same = propose(NgramProposer(NgramConfig(max_n=1, branches=2)), [7, 1, 7, 1, 7], 4)
+    same = propose(NgramProposer(NgramConfig(min_n=1, max_n=1, branches=2)), [7, 1, 7, 1, 7], 4)
     assert same.is_chain and same.tokens == (1, 7, 1, 7)
     # a budget of one keeps a single node
-    assert len(propose(NgramProposer(NgramConfig(max_n=1, branches=3)), tokens, 1)) == 1
+    assert len(propose(NgramProposer(NgramConfig(min_n=1, max_n=1, branches=3)), tokens, 1)) == 1
 
 
 def test_ngram_index_is_incremental() -> None:
-    config = NgramConfig(max_n=2)
+    config = NgramConfig(min_n=1, max_n=2)
     proposer = NgramProposer(config)
     tokens = [1, 2, 3, 4, 5]
     propose(proposer, tokens, 2)
@@ -492,14 +494,14 @@ def test_ngram_index_is_incremental() -> None:
     index.extend(tokens, len(tokens) - 1)
     assert fresh.table == index.table
     # the table keeps only the most recent max_occurrences positions per n-gram
-    small = NgramIndex(NgramConfig(max_n=1, max_occurrences=2))
+    small = NgramIndex(NgramConfig(min_n=1, max_n=1, max_occurrences=2))
     small.extend([4] * 6, 6)
     assert small.table[(4,)] == [5, 6]
     assert small.lookup([4] * 7) == [6, 5]
 
 
 def test_ngram_rows_are_independent() -> None:
-    p = NgramProposer()
+    p = NgramProposer(CLASSIC)
     a = SimpleNamespace(tokens=[1, 2, 1])
     b = SimpleNamespace(tokens=[3, 4, 3])
     p.begin(0, a)  # type: ignore[arg-type]
@@ -562,7 +564,7 @@ def test_adaptive_alpha_follows_the_evidence() -> None:
 
 def test_adaptive_probes_only_where_cheap() -> None:
     config = PolicyConfig(kind="adaptive", k=8, probe_every=4)
-    cheap = Policy(config, cost_table(1, per_token=0.02))
+    cheap = Policy(config, cost_table(1, per_token=0.1))
     cheap.begin(0)
     _evidence(cheap, 0, 50, accepted=0)
     chosen = [cheap.budgets([8], 1)[0] for _ in range(8)]

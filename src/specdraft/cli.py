@@ -114,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=1, help="timed repeats; the median is reported (default: 1)")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     b.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    b.add_argument("--peers", default="",
+                   help="also measure other engines at batch 1 on the same weights and prompts, each against its "
+                        "own plain decoding: transformers (prompt_lookup_num_tokens), llamacpp "
+                        "(LlamaPromptLookupDecoding); skipped with a note when not installed")
     b.add_argument("--out", default=None, help="output folder (default: runs/bench, or runs/quick with --quick)")
     _add_model_options(b)
     b.set_defaults(func=cmd_bench)
@@ -180,7 +184,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     cfg = BenchConfig(methods=methods, workloads=tuple(w.strip() for w in args.workloads.split(",") if w.strip()),
                       batch_sizes=_int_list(args.batch_sizes, "--batch-sizes"), max_new_tokens=args.max_new_tokens,
                       samples=args.samples, repeats=args.repeats, temperature=args.temperature, seed=args.seed,
-                      model=args.model, dtype=args.dtype, device=args.device, out=args.out)
+                      model=args.model, dtype=args.dtype, device=args.device, out=args.out,
+                      peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()))
     results = run_bench(cfg)
     path = write_report(Path(cfg.out), results)
     print(path.read_text())

@@ -165,6 +165,8 @@ class Engine:
 
     @torch.inference_mode()
     def _run(self, seqs: list[Sequence], cache: KVCache, stats: SpecStats) -> Iterator[StreamEvent]:
+        if self.speculative:
+            self.policy.prepare(len(seqs))  # measure the cost model for this batch size, untimed
         for row, s in enumerate(seqs):
             self.proposer.begin(row, s)
             self.policy.begin(row)
@@ -188,7 +190,9 @@ class Engine:
     ) -> Iterator[StreamEvent]:
         """One target pass for every row: propose, verify, accept, commit, observe."""
         t0 = time.perf_counter()
-        drafts = self._propose(seqs, cache)
+        budgets = self._budgets(seqs, cache)
+        tp = time.perf_counter()
+        drafts = self._propose(seqs, budgets)
         t1 = time.perf_counter()
         before = list(cache.lengths)
         logits = self._verify(drafts, last, cache)  # [B, 1 + width, V]
@@ -209,20 +213,26 @@ class Engine:
             yield from _events(row, s)
         commit(cache, before, drafts, results)
         t3 = time.perf_counter()
-        stats.propose_s += t1 - t0
+        stats.propose_s += t1 - tp
         stats.verify_s += t2 - t1
-        stats.other_s += t3 - t2
+        stats.other_s += (tp - t0) + (t3 - t2)
         if any(len(d) for d in drafts):
-            self.policy.observe_propose_time(t1 - t0)
+            self.policy.observe_propose_time(t1 - tp)
         return last
 
-    def _propose(self, seqs: list[Sequence], cache: KVCache) -> list[Draft]:
+    def _budgets(self, seqs: list[Sequence], cache: KVCache) -> list[int]:
+        """How many draft tokens each row may have this step (the policy's choice, capped by
+        the row's remaining tokens and the cache's room)."""
         if not self.speculative:
-            return [Draft.empty() for _ in seqs]
+            return [0] * len(seqs)
         running = [n for n, s in zip(cache.lengths, seqs) if not s.finished]
         free = cache.capacity - 1 - max(running, default=0)  # positions left after the root token
         caps = [0 if s.finished else max(0, min(s.room - 1, free)) for s in seqs]
-        budgets = self.policy.budgets(caps, len(seqs))
+        return self.policy.budgets(caps, len(seqs))
+
+    def _propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Draft]:
+        if not self.speculative:
+            return [Draft.empty() for _ in seqs]
         active = [s if b > 0 and not s.finished else None for s, b in zip(seqs, budgets)]
         drafts = self.proposer.propose(active, budgets)
         for d, b in zip(drafts, budgets):

@@ -41,9 +41,9 @@ class PolicyConfig:
 
     kind: Literal["fixed", "adaptive"] = "adaptive"
     k: int = 8
-    decay: float = 0.95
-    prior: float = 0.3
-    probe_every: int = 16
+    decay: float = 0.9
+    prior: float = 0.5
+    probe_every: int = 8
     probe_cost: float = 1.6
 
     def __post_init__(self) -> None:
@@ -147,6 +147,11 @@ class Policy:
         self.evidence: dict[int, _Evidence] = {}
         self.idle_steps = 0  # consecutive steps the adaptive policy chose not to speculate
         self.propose_s_per_step = 0.0  # running estimate of the proposer's cost when drafting
+
+    def prepare(self, batch: int) -> None:
+        """Measure the cost model for this batch size now (it is measured once per size)."""
+        if self.config.kind == "adaptive" and self.cost is not None:
+            self.cost.latency(batch, 1, 1 + self.config.k)
 
     def begin(self, row: int) -> None:
         self.evidence[row] = _Evidence()

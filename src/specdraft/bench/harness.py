@@ -85,6 +85,7 @@ class BenchConfig:
     dtype: str = "float32"
     device: str = "cpu"
     out: str = "runs/bench"
+    peers: tuple[str, ...] = ()  # "transformers", "llamacpp": measured at batch 1, skipped with a note if missing
 
     def __post_init__(self) -> None:
         if self.samples < 1 or self.repeats < 1 or self.max_new_tokens < 1:
@@ -94,6 +95,13 @@ class BenchConfig:
         if not self.workloads:
             raise SpecdraftError("no workloads given")
         Sampling(temperature=self.temperature)  # validates
+        from specdraft.bench.peers import PEERS
+
+        unknown = [p for p in self.peers if p not in PEERS]
+        if unknown:
+            raise SpecdraftError(f"unknown peer {unknown[0]!r}; available: {', '.join(PEERS)}")
+        if self.peers and self.temperature != 0:
+            raise SpecdraftError("peers are compared greedily: use --temperature 0 with --peers")
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,15 +202,15 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str,
     for w, b in plan:
         batches(requests[w], b, w, cfg.samples)  # fail early on impossible batch sizes
     rows: list[Row] = []
-    warmed: set[str] = set()
+    warmed: set[tuple[str, int]] = set()
     bar = tqdm(total=len(plan) * len(methods) * cfg.repeats, desc="bench", unit="run", file=sys.stderr)
     for w, b in plan:
         groups = batches(requests[w], b, w, cfg.samples)
         for m in methods:
             engine = engines[m.label]
-            if m.label not in warmed:  # warm-up: one short untimed generation (and cost calibration)
-                engine.generate([list(groups[0][0].tokens)], GenerationConfig(max_new_tokens=8))
-                warmed.add(m.label)
+            if (m.label, b) not in warmed:  # warm-up: a short untimed batch (measures the cost model too)
+                engine.generate([list(r.tokens) for r in groups[0]], GenerationConfig(max_new_tokens=8))
+                warmed.add((m.label, b))
             times, last = [], None
             for _ in range(cfg.repeats):
                 t, new_tokens, stats = run_config(engine, groups, gen, cfg)
@@ -216,6 +224,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str,
             bar.write(f"  {w:>18} batch {b:>3} {r.method:>24}: {r.tokens_per_s:7.1f} tok/s  x{r.speedup:.2f}  "
                       f"tau {r.tau:.2f}  accept {r.acceptance_rate:.0%}")
     bar.close()
+    peer_rows, peer_notes = run_peers(cfg, loaded, requests, gen, log)
     results = {
         "config": asdict(cfg),
         "machine": machine_info(cfg.device),
@@ -224,6 +233,8 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str,
         "truncated": {w: sum(r.truncated for r in reqs) for w, reqs in requests.items()},
         "cost_model_s": {str(b): {str(q): t for q, t in tab.items()} for b, tab in cost.table.items()},
         "rows": [asdict(r) for r in rows],
+        "peers": peer_rows,
+        "peer_notes": peer_notes,
     }
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -251,3 +262,42 @@ def _fill_speedups(rows: list[Row], workload: str, batch: int) -> None:
     base = next((r for r in group if r.base_method == "plain"), None)
     for r in group:
         r.speedup = r.tokens_per_s / base.tokens_per_s if base and base.tokens_per_s else 0.0
+
+
+def run_peers(cfg: BenchConfig, loaded: LoadedModel, requests: dict[str, list[Request]], gen: GenerationConfig,
+              log: Callable[[str], None]) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """Each peer's plain and prompt-lookup decoding on the batch-1 requests of every workload."""
+    from specdraft.bench.peers import PEERS
+
+    rows: list[dict[str, Any]] = []
+    notes: dict[str, str] = {}
+    for name in cfg.peers:
+        peer = PEERS[name]()
+        reason = peer.unavailable(loaded.source)
+        if reason is not None:
+            notes[name] = f"skipped: {reason}"
+            log(f"peer {name} skipped: {reason}")
+            continue
+        try:
+            peer.bind(loaded.source)
+        except Exception as e:  # a peer failing to load is reported, not fatal
+            notes[name] = f"skipped: failed to load ({type(e).__name__}: {e})"
+            log(f"peer {name} skipped: {notes[name]}")
+            continue
+        first = next(iter(requests.values()))
+        peer.run([first[0].tokens], 8, False)  # warm-up
+        peer.run([first[0].tokens], 8, True)
+        for w, reqs in requests.items():
+            prompts = [group[0].tokens for group in batches(reqs, 1, w, cfg.samples)]
+            plain = peer.run(prompts, gen.max_new_tokens, False)
+            spec = peer.run(prompts, gen.max_new_tokens, True)
+            plain_tps = plain.new_tokens / plain.seconds
+            spec_tps = spec.new_tokens / spec.seconds
+            rows.append({"peer": name, "workload": w, "batch": 1, "requests": len(prompts),
+                         "plain_tokens_per_s": plain_tps, "prompt_lookup_tokens_per_s": spec_tps,
+                         "speedup": spec_tps / plain_tps, "plain_new_tokens": plain.new_tokens,
+                         "prompt_lookup_new_tokens": spec.new_tokens})
+            log(f"  peer {name:>12} {w:>18}: plain {plain_tps:6.1f} tok/s, prompt lookup {spec_tps:6.1f} tok/s "
+                f"x{spec_tps / plain_tps:.2f}")
+        notes.setdefault(name, "ok")
+    return rows, notes

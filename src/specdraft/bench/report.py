@@ -43,9 +43,27 @@ def results_table(rows: list[dict[str, Any]]) -> str:
                          "propose/verify/other s"], body)
 
 
+def peers_table(results: dict[str, Any]) -> str:
+    """Each peer's prompt-lookup speedup over its own plain decoding, beside ours at batch 1."""
+    ours = {r["workload"]: r for r in results["rows"]
+            if r["batch"] == 1 and r["base_method"] == "ngram"}
+    body = []
+    for p in results.get("peers", []):
+        mine = ours.get(p["workload"])
+        body.append([p["workload"], p["peer"], p["plain_tokens_per_s"], p["prompt_lookup_tokens_per_s"],
+                     f"{p['speedup']:.2f}x", f"{mine['speedup']:.2f}x ({mine['method']})" if mine else "-"])
+    return format_table(["workload", "peer", "peer plain tok/s", "peer prompt-lookup tok/s", "peer speedup",
+                         "specdraft ngram speedup"], body)
+
+
 def render(results: dict[str, Any]) -> str:
     rows = results["rows"]
     parts = ["# specdraft benchmark", "", header(results), "", results_table(rows)]
+    if results.get("peers"):
+        parts += ["", "## Peers (batch 1, greedy, same weights and prompts)", "", peers_table(results)]
+    for name, note in results.get("peer_notes", {}).items():
+        if note != "ok":
+            parts += ["", f"- peer {name}: {note}"]
     cut = {w: n for w, n in results.get("truncated", {}).items() if n}
     if cut:
         parts += ["", "Prompts cut to fit the context: " + ", ".join(f"{w}: {n}" for w, n in cut.items())]

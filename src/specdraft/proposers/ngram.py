@@ -26,8 +26,8 @@ class NgramConfig:
     earlier occurrences to propose (1 = a chain). max_occurrences: positions remembered per
     n-gram (the most recent ones)."""
 
-    max_n: int = 3
-    min_n: int = 1
+    max_n: int = 4
+    min_n: int = 2
     branches: int = 1
     max_occurrences: int = 4
 
