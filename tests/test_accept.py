@@ -528,7 +528,7 @@ class SiblingsProposer:
 def _engine_lossless_check(setup, proposer: str = "ngram") -> tuple[GofResult, GofResult, GofResult, SpecStats]:
     model, tokenizer, prompt, p1, p2, pairs, p3 = setup
     vocab = p1.shape[0]
-    drafts = NgramProposer(NgramConfig()) if proposer == "ngram" else SiblingsProposer(len(prompt), p2)
+    drafts = NgramProposer(NgramConfig(min_n=1, max_n=3)) if proposer == "ngram" else SiblingsProposer(len(prompt), p2)
     engine = Engine(model, tokenizer, drafts, Policy(PolicyConfig(kind="fixed", k=4)))
     stats = SpecStats()
     rows = engine.generate([prompt] * ENGINE_ROWS, GenerationConfig(max_new_tokens=3, ignore_eos=True),
