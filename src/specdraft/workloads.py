@@ -153,15 +153,21 @@ WORKLOADS: dict[str, WorkloadSpec] = {
 }
 
 
+MIXED = "mixed"  # every built-in workload but long_summarization, taken in turn (a server's mix)
+
+
 def load_workload(name: str, limit: int | None = None) -> list[Prompt]:
-    """A built-in workload by name, or ``NAME=PATH`` / ``PATH`` for a user's JSONL."""
+    """A built-in workload by name, ``mixed``, or ``NAME=PATH`` / ``PATH`` for a user's JSONL."""
+    if name == MIXED:
+        parts = [w for w in WORKLOADS if w != "long_summarization"]
+        return mixed(parts, limit if limit is not None else 10**9)
     if name in WORKLOADS:
         prompts = WORKLOADS[name].loader(datasets_dir())
     elif "=" in name or name.endswith((".jsonl", ".json")) or Path(name).is_file():
         label, _, path = name.rpartition("=") if "=" in name else ("", "", name)
         prompts = load_user_jsonl(Path(path), label or Path(path).stem)
     else:
-        raise SpecdraftError(f"unknown workload {name!r}; built-in: {', '.join(WORKLOADS)} (or NAME=FILE.jsonl)")
+        raise SpecdraftError(f"unknown workload {name!r}; built-in: {', '.join(WORKLOADS)}, {MIXED} (or NAME=FILE.jsonl)")
     return prompts[:limit] if limit is not None else prompts
 
 

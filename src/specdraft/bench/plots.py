@@ -31,7 +31,8 @@ def write_plots(results: dict[str, Any], folder: Path) -> list[Path]:
     rows = results["rows"]
     out = []
     for name, fn in (("speedup_vs_batch.png", _speedup_vs_batch), ("acceptance_by_workload.png", _acceptance),
-                     ("tau_histogram.png", _tau_hist), ("speedup_by_workload.png", _speedup_by_workload)):
+                     ("tau_histogram.png", _tau_hist), ("speedup_by_workload.png", _speedup_by_workload),
+                     ("tree_vs_chain.png", _tree_vs_chain), ("adaptive_vs_fixed.png", _adaptive_vs_fixed)):
         fig = fn(plt, rows)
         if fig is not None:
             path = folder / name
@@ -137,3 +138,64 @@ def _speedup_by_workload(plt: Any, rows: list[dict[str, Any]]) -> Any:
     ax.set_title(f"Speedup by workload at batch {b}")
     ax.legend(fontsize=8)
     return fig
+
+
+def _is_tree(row: dict[str, Any]) -> bool:
+    return int(row["settings"].get("branches", 1)) > 1
+
+
+def _batch1(rows: list[dict[str, Any]]) -> tuple[int, list[str]]:
+    b = min(r["batch"] for r in rows)
+    return b, list(dict.fromkeys(r["workload"] for r in rows if r["batch"] == b))
+
+
+def _grouped_bars(plt: Any, workloads: list[str], series: dict[str, list[float]], ylabel: str, title: str,
+                  baseline: float | None = None) -> Any:
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(workloads)), 4))
+    width = 0.8 / max(1, len(series))
+    for i, (label, vals) in enumerate(series.items()):
+        ax.bar([x + i * width for x in range(len(workloads))], vals, width, label=label)
+    if baseline is not None:
+        ax.axhline(baseline, color="grey", linestyle="--", linewidth=1)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(workloads))], workloads, rotation=30, ha="right")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _tree_vs_chain(plt: Any, rows: list[dict[str, Any]]) -> Any:
+    """Tokens per target pass (tau) of tree-shaped against chain-shaped drafts."""
+    spec = [r for r in rows if r["base_method"] != "plain"]
+    if not any(_is_tree(r) for r in spec) or all(_is_tree(r) for r in spec):
+        return None
+    b, workloads = _batch1(rows)
+    series: dict[str, list[float]] = {}
+    for m in _speculative(rows):
+        sel = {r["workload"]: r for r in spec if r["method"] == m and r["batch"] == b}
+        if sel:
+            kind = "tree" if _is_tree(next(iter(sel.values()))) else "chain"
+            series[f"{m} ({kind})"] = [sel[w]["tau"] if w in sel else 0.0 for w in workloads]
+    return _grouped_bars(plt, workloads, series, f"tokens per target pass (tau), batch {b}",
+                         "Tree vs chain drafts", baseline=1.0)
+
+
+def _adaptive_vs_fixed(plt: Any, rows: list[dict[str, Any]]) -> Any:
+    """Speedup of each adaptive method against the best fixed draft length, per workload."""
+    spec = [r for r in rows if r["base_method"] != "plain"]
+    adaptive = [r for r in spec if r["settings"].get("policy") == "adaptive" and not _is_tree(r)]
+    fixed = [r for r in spec if r["settings"].get("policy") == "fixed" and not _is_tree(r)]
+    if not adaptive or not fixed:
+        return None
+    b, workloads = _batch1(rows)
+    series: dict[str, list[float]] = {}
+    for m in dict.fromkeys(r["method"] for r in adaptive):
+        series[m] = [next((r["speedup"] for r in adaptive if r["method"] == m and r["workload"] == w and r["batch"] == b),
+                          0.0) for w in workloads]
+    best = []
+    for w in workloads:
+        cands = [r for r in fixed if r["workload"] == w and r["batch"] == b]
+        best.append(max((r["speedup"] for r in cands), default=0.0))
+    series["best fixed k (per workload)"] = best
+    return _grouped_bars(plt, workloads, series, f"speedup over plain, batch {b}",
+                         "Adaptive draft length vs the best fixed length", baseline=1.0)
