@@ -56,8 +56,12 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise SpecdraftError(f"prompt file not found: {path}")
     records = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise SpecdraftError(f"{path}:{n}: not UTF-8 text") from None
             if not line.strip():
                 continue
             try:
@@ -163,12 +167,31 @@ def load_workload(name: str, limit: int | None = None) -> list[Prompt]:
         return mixed(parts, limit if limit is not None else 10**9)
     if name in WORKLOADS:
         prompts = WORKLOADS[name].loader(datasets_dir())
-    elif "=" in name or name.endswith((".jsonl", ".json")) or Path(name).is_file():
-        label, _, path = name.rpartition("=") if "=" in name else ("", "", name)
-        prompts = load_user_jsonl(Path(path), label or Path(path).stem)
+    elif _is_user_file(name):
+        label, path = _user_file(name)
+        prompts = load_user_jsonl(path, label)
     else:
         raise SpecdraftError(f"unknown workload {name!r}; built-in: {', '.join(WORKLOADS)}, {MIXED} (or NAME=FILE.jsonl)")
     return prompts[:limit] if limit is not None else prompts
+
+
+def workload_label(name: str) -> str:
+    """The name a workload given as ``name`` is reported under: a built-in's name, or the NAME of
+    ``NAME=PATH`` (the file's stem for a bare PATH)."""
+    return _user_file(name)[0] if name != MIXED and name not in WORKLOADS and _is_user_file(name) else name
+
+
+def _is_user_file(name: str) -> bool:
+    return "=" in name or name.endswith((".jsonl", ".json")) or Path(name).is_file()
+
+
+def _user_file(name: str) -> tuple[str, Path]:
+    """(label, path) of ``NAME=PATH`` (split at the first "=": a path may hold one) or of a bare
+    PATH (an existing file, or a name without "=")."""
+    if Path(name).is_file() or "=" not in name:
+        return Path(name).stem, Path(name)
+    label, _, path = name.partition("=")
+    return label or Path(path).stem, Path(path)
 
 
 def load_user_jsonl(path: Path, workload: str) -> list[Prompt]:

@@ -33,7 +33,7 @@ from specdraft.policy import CostModel
 from specdraft.proposers import get_method
 from specdraft.sampling import Sampling
 from specdraft.sequence import GenerationConfig
-from specdraft.workloads import Prompt, fit_messages, load_workload
+from specdraft.workloads import Prompt, fit_messages, load_workload, workload_label
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,12 +193,16 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str,
     requests: dict[str, list[Request]] = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for w in cfg.workloads:
+        for spec in cfg.workloads:
             wanted = max(cfg.samples, max(cfg.batch_sizes))
-            requests[w] = build_requests(loaded, load_workload(w, wanted), max_prompt, gen, wanted)
+            prompts = load_workload(spec, wanted)
+            name = workload_label(spec)  # "NAME=FILE.jsonl" is reported as NAME
+            if name in requests:
+                raise SpecdraftError(f"workload {name!r} is given twice")
+            requests[name] = build_requests(loaded, prompts, max_prompt, gen, wanted)
     for w in caught:
         log(f"warning: {w.message}")
-    plan = [(w, b) for w in cfg.workloads for b in cfg.batch_sizes]
+    plan = [(w, b) for w in requests for b in cfg.batch_sizes]
     for w, b in plan:
         batches(requests[w], b, w, cfg.samples)  # fail early on impossible batch sizes
     rows: list[Row] = []

@@ -18,7 +18,8 @@ def read_results(folder: Path) -> dict[str, Any]:
         raise SpecdraftError(f"no benchmark results at {path}") from None
     except json.JSONDecodeError as e:
         raise SpecdraftError(f"{path} is not valid JSON: {e.msg}") from None
-    if not isinstance(data, dict) or "rows" not in data:
+    if (not isinstance(data, dict) or not isinstance(data.get("rows"), list)
+            or not isinstance(data.get("config"), dict) or not isinstance(data.get("machine"), dict)):
         raise SpecdraftError(f"{path} does not hold specdraft benchmark results")
     return data
 
@@ -72,6 +73,8 @@ def render(results: dict[str, Any]) -> str:
 
 def write_report(folder: Path, results: dict[str, Any] | None = None) -> Path:
     results = results if results is not None else read_results(folder)
+    if folder.is_file():  # given the results.json itself: write beside it
+        folder = folder.parent
     from specdraft.bench.plots import write_plots
 
     folder.mkdir(parents=True, exist_ok=True)
