@@ -72,30 +72,28 @@ def _speedup_vs_batch(plt: Any, rows: list[dict[str, Any]]) -> Any:
     return fig
 
 
+def _metric_by_workload(rows: list[dict[str, Any]], key: str) -> tuple[int, list[str], dict[str, list[float]]]:
+    """Per speculative method, ``key`` of each workload at the smallest batch size."""
+    b, workloads = _batch1(rows)
+    series = {m: [next((r[key] for r in rows if r["method"] == m and r["workload"] == w and r["batch"] == b), 0.0)
+                  for w in workloads] for m in _speculative(rows)}
+    return b, workloads, series
+
+
 def _acceptance(plt: Any, rows: list[dict[str, Any]]) -> Any:
-    methods = _speculative(rows)
-    workloads = list(dict.fromkeys(r["workload"] for r in rows))
-    if not methods:
+    if not _speculative(rows):
         return None
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(workloads)), 4))
-    width = 0.8 / len(methods)
-    for i, m in enumerate(methods):
-        vals = []
-        for w in workloads:
-            sel = [r for r in rows if r["method"] == m and r["workload"] == w and r["batch"] == min(
-                rr["batch"] for rr in rows)]
-            vals.append(sel[0]["acceptance_rate"] if sel else 0.0)
-        ax.bar([x + i * width for x in range(len(workloads))], vals, width, label=m)
+    b, workloads, series = _metric_by_workload(rows, "acceptance_rate")
+    fig = _grouped_bars(plt, workloads, series, f"acceptance rate, batch {b}",
+                        "Acceptance by workload (dotted boxes: the survey's n-gram ranges)")
+    ax = fig.axes[0]
+    width = 0.8 / len(series)
     for x, w in enumerate(workloads):
         if w in EXPECTED_ACCEPTANCE:
             lo, hi = EXPECTED_ACCEPTANCE[w]
             ax.add_patch(plt.Rectangle((x - width / 2, lo), 0.8, hi - lo, fill=False, edgecolor="black",
                                        linestyle=":", linewidth=1.2))
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(workloads))], workloads, rotation=30, ha="right")
-    ax.set_ylabel("acceptance rate")
     ax.set_ylim(0, 1)
-    ax.set_title("Acceptance by workload (dotted boxes: the survey's n-gram ranges)")
-    ax.legend(fontsize=8)
     return fig
 
 
@@ -121,23 +119,11 @@ def _tau_hist(plt: Any, rows: list[dict[str, Any]]) -> Any:
 
 
 def _speedup_by_workload(plt: Any, rows: list[dict[str, Any]]) -> Any:
-    methods = _speculative(rows)
-    if not methods:
+    if not _speculative(rows):
         return None
-    b = min(r["batch"] for r in rows)
-    workloads = list(dict.fromkeys(r["workload"] for r in rows))
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(workloads)), 4))
-    width = 0.8 / len(methods)
-    for i, m in enumerate(methods):
-        vals = [next((r["speedup"] for r in rows if r["method"] == m and r["workload"] == w and r["batch"] == b), 0.0)
-                for w in workloads]
-        ax.bar([x + i * width for x in range(len(workloads))], vals, width, label=m)
-    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(workloads))], workloads, rotation=30, ha="right")
-    ax.set_ylabel(f"speedup over plain (batch {b})")
-    ax.set_title(f"Speedup by workload at batch {b}")
-    ax.legend(fontsize=8)
-    return fig
+    b, workloads, series = _metric_by_workload(rows, "speedup")
+    return _grouped_bars(plt, workloads, series, f"speedup over plain (batch {b})", f"Speedup by workload at batch {b}",
+                         baseline=1.0)
 
 
 def _is_tree(row: dict[str, Any]) -> bool:
