@@ -124,7 +124,9 @@ class Row:
     time_s: float  # median wall time over repeats (prefill + decode)
     times_s: list[float]
     tokens_per_s: float
-    speedup: float = 0.0  # over plain, same workload and batch size
+    speedup: float = 0.0  # over plain, same workload and batch size (wall time: prefill + decode)
+    decode_tokens_per_s: float = 0.0  # new tokens / decode time (prefill excluded)
+    decode_speedup: float = 0.0  # the same ratio over plain, on decode time only
     tau: float = 0.0
     acceptance_rate: float = 0.0
     acceptance_by_position: list[float] = field(default_factory=list)
@@ -254,6 +256,7 @@ def make_row(m: MethodSpec, workload: str, batch: int, groups: list[list[Request
         settings={"k": m.k, "policy": m.policy, **dict(m.options)} if m.method != "plain" else {},
         workload=workload, batch=batch, requests=sum(len(g) for g in groups), new_tokens=new_tokens,
         time_s=t, times_s=times, tokens_per_s=new_tokens / t if t > 0 else 0.0,
+        decode_tokens_per_s=new_tokens / stats.decode_s if stats.decode_s > 0 else 0.0,
         tau=stats.tau, acceptance_rate=stats.acceptance_rate, acceptance_by_position=stats.acceptance_by_position,
         emitted_hist=stats.emitted_hist, propose_s=stats.propose_s, verify_s=stats.verify_s, other_s=stats.other_s,
         prefill_s=stats.prefill_s, proposer_bytes=stats.proposer_bytes,
@@ -266,6 +269,7 @@ def _fill_speedups(rows: list[Row], workload: str, batch: int) -> None:
     base = next((r for r in group if r.base_method == "plain"), None)
     for r in group:
         r.speedup = r.tokens_per_s / base.tokens_per_s if base and base.tokens_per_s else 0.0
+        r.decode_speedup = r.decode_tokens_per_s / base.decode_tokens_per_s if base and base.decode_tokens_per_s else 0.0
 
 
 def run_peers(cfg: BenchConfig, loaded: LoadedModel, requests: dict[str, list[Request]], gen: GenerationConfig,

@@ -37,10 +37,11 @@ def header(results: dict[str, Any]) -> str:
 
 
 def results_table(rows: list[dict[str, Any]]) -> str:
-    body = [[r["workload"], r["batch"], r["method"], r["tokens_per_s"], f"{r['speedup']:.2f}x", r["tau"],
+    body = [[r["workload"], r["batch"], r["method"], r["tokens_per_s"], f"{r['speedup']:.2f}x",
+             f"{r.get('decode_speedup', 0.0):.2f}x", r["tau"],
              f"{r['acceptance_rate']:.0%}" if r["base_method"] != "plain" else "-",
              f"{r['propose_s']:.1f}/{r['verify_s']:.1f}/{r['other_s']:.1f}"] for r in rows]
-    return format_table(["workload", "batch", "method", "tok/s", "speedup", "tau", "accept",
+    return format_table(["workload", "batch", "method", "tok/s", "speedup", "decode speedup", "tau", "accept",
                          "propose/verify/other s"], body)
 
 
