@@ -483,6 +483,7 @@ def test_bad_peer_settings():
 # ============================================================================ 6. the bench command
 
 
+@needs_datasets
 def test_bench_command_writes_results_and_report(tiny_gguf, mine_jsonl, tmp_path, capsys):
     out = tmp_path / "cli"
     code = main(["bench", "--model", str(tiny_gguf), "--methods", "ngram:k=4+policy=fixed",
