@@ -230,7 +230,6 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str,
             bar.write(f"  {w:>18} batch {b:>3} {r.method:>24}: {r.tokens_per_s:7.1f} tok/s  x{r.speedup:.2f}  "
                       f"tau {r.tau:.2f}  accept {r.acceptance_rate:.0%}")
     bar.close()
-    peer_rows, peer_notes = run_peers(cfg, loaded, requests, gen, log)
     results = {
         "config": asdict(cfg),
         "machine": machine_info(cfg.device),
@@ -239,12 +238,15 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str,
         "truncated": {w: sum(r.truncated for r in reqs) for w, reqs in requests.items()},
         "cost_model_s": {str(b): {str(q): t for q, t in tab.items()} for b, tab in cost.table.items()},
         "rows": [asdict(r) for r in rows],
-        "peers": peer_rows,
-        "peer_notes": peer_notes,
+        "peers": [],
+        "peer_notes": {},
     }
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2))
+    (out / "results.json").write_text(json.dumps(results, indent=2))  # saved before the peers run: a
+    if cfg.peers:  # peer that crashes the process (llama.cpp can) must not take our results with it
+        results["peers"], results["peer_notes"] = run_peers(cfg, loaded, requests, gen, log)
+        (out / "results.json").write_text(json.dumps(results, indent=2))
     return results
 
 

@@ -96,7 +96,8 @@ class LlamaCppPeer:
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-        common = {"model_path": str(source), "n_ctx": 8192, "verbose": False, "logits_all": True,
+        # room past the model's context for prompt + new tokens + the lookup's draft tokens
+        common = {"model_path": str(source), "n_ctx": 8192 + 256, "verbose": False, "logits_all": True,
                   "n_threads": self.threads}
         self._plain = Llama(**common)
         self._spec = Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=PROMPT_LOOKUP_TOKENS))
