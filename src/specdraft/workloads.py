@@ -74,26 +74,25 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def _spec_bench(categories: tuple[str, ...], workload: str) -> Callable[[Path], list[Prompt]]:
+def _questions(source: str, categories: tuple[str, ...], workload: str) -> Callable[[Path], list[Prompt]]:
+    """Spec-Bench / MT-bench style ``question.jsonl`` (source = its folder), by category."""
+
     def load(root: Path) -> list[Prompt]:
         return [
-            Prompt(f"spec_bench/{r['question_id']}", workload, tuple(r["turns"]))
-            for r in read_jsonl(root / "spec_bench" / "question.jsonl")
+            Prompt(f"{source}/{r['question_id']}", workload, tuple(r["turns"]))
+            for r in read_jsonl(root / source / "question.jsonl")
             if r["category"] in categories
         ]
 
     return load
+
+
+def _spec_bench(categories: tuple[str, ...], workload: str) -> Callable[[Path], list[Prompt]]:
+    return _questions("spec_bench", categories, workload)
 
 
 def _mt_bench(categories: tuple[str, ...], workload: str) -> Callable[[Path], list[Prompt]]:
-    def load(root: Path) -> list[Prompt]:
-        return [
-            Prompt(f"mt_bench/{r['question_id']}", workload, tuple(r["turns"]))
-            for r in read_jsonl(root / "mt_bench" / "question.jsonl")
-            if r["category"] in categories
-        ]
-
-    return load
+    return _questions("mt_bench", categories, workload)
 
 
 def _humaneval(root: Path) -> list[Prompt]:
