@@ -508,13 +508,13 @@ class SiblingsProposer:
     def end(self, row) -> None:
         pass
 
-    def observe(self, row, draft, acceptance) -> None:
+    def observe(self, row, draft, acceptance, verified=None) -> None:
         pass
 
     def memory_bytes(self) -> int:
         return 0
 
-    def propose(self, seqs, budgets) -> list[Draft]:
+    def propose(self, seqs, budgets, cache=None) -> list[Draft]:
         out = []
         for seq, budget in zip(seqs, budgets):
             if seq is None or len(seq.tokens) != self.prompt_len + 1:

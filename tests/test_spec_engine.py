@@ -172,7 +172,7 @@ class OracleProposer:
     def _wrong(self, token: int) -> int:
         return (token + 1 + self.step % 7) % self.vocab
 
-    def propose(self, seqs: Seq[Sequence | None], budgets: Seq[int]) -> list[Draft]:
+    def propose(self, seqs: Seq[Sequence | None], budgets: Seq[int], cache=None) -> list[Draft]:
         self.step += 1
         drafts = []
         for row, (seq, budget) in enumerate(zip(seqs, budgets)):
@@ -195,7 +195,7 @@ class OracleProposer:
             drafts.append(draft)
         return drafts
 
-    def observe(self, row: int, draft: Draft, acceptance: Acceptance) -> None:
+    def observe(self, row: int, draft: Draft, acceptance: Acceptance, verified=None) -> None:
         assert acceptance.accepted == self.expected[row]
         self.accepted[row] += acceptance.accepted
         self.history[row].append((max(draft.depths(), default=0), acceptance.accepted))
@@ -252,10 +252,10 @@ class OverBudget:
     def memory_bytes(self) -> int:
         return 0
 
-    def propose(self, seqs: Seq[Sequence | None], budgets: Seq[int]) -> list[Draft]:
+    def propose(self, seqs: Seq[Sequence | None], budgets: Seq[int], cache=None) -> list[Draft]:
         return [Draft.chain([5] * (b + 1)) for b in budgets]
 
-    def observe(self, row: int, draft: Draft, acceptance: Acceptance) -> None:
+    def observe(self, row: int, draft: Draft, acceptance: Acceptance, verified=None) -> None:
         pass
 
 
@@ -274,7 +274,7 @@ def _chain_oracle(truths: list[list[int]], prompts: list[list[int]]) -> Proposer
     class Perfect(OverBudget):
         name = "perfect"
 
-        def propose(self, seqs, budgets):
+        def propose(self, seqs, budgets, cache=None):
             out = []
             for row, (seq, b) in enumerate(zip(seqs, budgets)):
                 if seq is None or b <= 0:
@@ -414,7 +414,7 @@ def propose(proposer: NgramProposer, tokens: list[int], budget: int, row: int = 
     seq = SimpleNamespace(tokens=tokens)
     if row not in proposer.index:
         proposer.begin(row, seq)  # type: ignore[arg-type]
-    return proposer.propose([seq], [budget])[0]  # type: ignore[list-item]
+    return proposer.propose([seq], [budget], None)[0]  # type: ignore[list-item]
 
 
 def test_ngram_proposes_after_the_most_recent_longest_match() -> None:
@@ -444,7 +444,7 @@ def test_ngram_empty_without_a_match() -> None:
     # idle rows and zero budgets get empty drafts
     p = NgramProposer(CLASSIC)
     p.begin(0, SimpleNamespace(tokens=[1, 1, 1]))  # type: ignore[arg-type]
-    assert [len(d) for d in p.propose([None], [4])] == [0]
+    assert [len(d) for d in p.propose([None], [4], None)] == [0]
 
 
 def test_ngram_continues_periodic_patterns_past_the_context() -> None:
@@ -506,7 +506,7 @@ def test_ngram_rows_are_independent() -> None:
     b = SimpleNamespace(tokens=[3, 4, 3])
     p.begin(0, a)  # type: ignore[arg-type]
     p.begin(1, b)  # type: ignore[arg-type]
-    da, db = p.propose([a, b], [2, 2])  # type: ignore[list-item]
+    da, db = p.propose([a, b], [2, 2], None)  # type: ignore[list-item]
     assert da.tokens == (2, 1) and db.tokens == (4, 3)
     p.end(0)
     assert 0 not in p.index and p.memory_bytes() > 0
@@ -666,3 +666,19 @@ def test_ngram_greedy_equals_plain_on_the_default_model() -> None:
     for a, b in zip(plain, spec):
         assert (a.text, a.tokens, a.finish_reason) == (b.text, b.tokens, b.finish_reason)
     assert stats.accepted > 0
+
+
+def test_propose_cost_fits_constant_and_per_level_costs() -> None:
+    from specdraft.policy import ProposeCost
+
+    lookup, model = ProposeCost(), ProposeCost()
+    for depth in [1, 3, 5, 8, 2, 6] * 3:
+        lookup.observe(depth, 0.002)  # a table lookup: the same whatever the depth
+        model.observe(depth, 0.001 + 0.010 * depth)  # one draft forward per level
+    assert lookup.estimate(8) == pytest.approx(0.002, abs=1e-9)
+    assert model.estimate(4) == pytest.approx(0.041, rel=1e-6)
+    assert model.estimate(0) == 0.0
+    same = ProposeCost()
+    for _ in range(5):
+        same.observe(4, 0.04)  # no spread in depth yet: charged per level
+    assert same.estimate(8) == pytest.approx(0.08)

@@ -8,6 +8,7 @@ from specdraft.engine import Engine
 from specdraft.model.loader import LoadedModel
 from specdraft.policy import CostModel, Policy, PolicyConfig
 from specdraft.proposers import make_proposer
+from specdraft.proposers.base import ProposerContext
 
 
 def build_engine(
@@ -24,5 +25,6 @@ def build_engine(
     config = PolicyConfig(kind=policy, k=k)  # type: ignore[arg-type]
     if config.kind == "adaptive" and cost is None:
         cost = CostModel(loaded.model)
-    proposer = make_proposer(method, options)
+    context = ProposerContext(loaded.model, loaded.tokenizer, max_draft=k)
+    proposer = make_proposer(method, options, context)
     return Engine(loaded.model, loaded.tokenizer, proposer, Policy(config, cost))

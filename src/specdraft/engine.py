@@ -20,9 +20,9 @@ from specdraft.errors import ContextOverflowError, SpecdraftError
 from specdraft.metrics import SpecStats
 from specdraft.model.kv_cache import KVCache
 from specdraft.model.tokenizer import Tokenizer
-from specdraft.model.transformer import Transformer
+from specdraft.model.transformer import ModelOutput, Transformer
 from specdraft.policy import Policy, PolicyConfig
-from specdraft.proposers.base import NoDraft, Proposer
+from specdraft.proposers.base import NoDraft, Proposer, Verified
 from specdraft.sampling import GREEDY, Sampling, make_generator, next_tokens
 from specdraft.sequence import GenerationConfig, Sequence
 
@@ -192,10 +192,11 @@ class Engine:
         t0 = time.perf_counter()
         budgets = self._budgets(seqs, cache)
         tp = time.perf_counter()
-        drafts = self._propose(seqs, budgets)
+        drafts = self._propose(seqs, budgets, cache)
         t1 = time.perf_counter()
         before = list(cache.lengths)
-        logits = self._verify(drafts, last, cache)  # [B, 1 + width, V]
+        out = self._verify(drafts, last, cache)
+        logits = out.logits  # [B, 1 + width, V]
         t2 = time.perf_counter()
         results: list[Acceptance | None] = []
         for row, (s, draft) in enumerate(zip(seqs, drafts)):
@@ -206,7 +207,7 @@ class Engine:
             kept = s.append(list(acc.tokens))
             s.stats.record(draft, acc, kept)
             stats.record(draft, acc, kept)
-            self.proposer.observe(row, draft, acc)
+            self.proposer.observe(row, draft, acc, Verified(logits[row], out.last_hidden[row]))
             self.policy.observe(row, draft, acc)
             last[row] = acc.tokens[-1]
             results.append(acc)
@@ -216,8 +217,9 @@ class Engine:
         stats.propose_s += t1 - tp
         stats.verify_s += t2 - t1
         stats.other_s += (tp - t0) + (t3 - t2)
-        if any(len(d) for d in drafts):
-            self.policy.observe_propose_time(t1 - tp)
+        depth = max((max(d.depths(), default=0) for d in drafts), default=0)
+        if depth:
+            self.policy.observe_propose_time(depth, t1 - tp)
         return last
 
     def _budgets(self, seqs: list[Sequence], cache: KVCache) -> list[int]:
@@ -230,29 +232,33 @@ class Engine:
         caps = [0 if s.finished else max(0, min(s.room - 1, free)) for s in seqs]
         return self.policy.budgets(caps, len(seqs))
 
-    def _propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Draft]:
+    def _propose(self, seqs: list[Sequence], budgets: list[int], cache: KVCache) -> list[Draft]:
         if not self.speculative:
             return [Draft.empty() for _ in seqs]
         active = [s if b > 0 and not s.finished else None for s, b in zip(seqs, budgets)]
-        drafts = self.proposer.propose(active, budgets)
+        lengths = list(cache.lengths)
+        drafts = self.proposer.propose(active, budgets, cache)
+        if cache.lengths != lengths:
+            raise RuntimeError(f"proposer {self.proposer.name} changed the target cache's lengths")
         for d, b in zip(drafts, budgets):
             if len(d) > max(b, 0):
                 raise RuntimeError(f"proposer {self.proposer.name} drafted {len(d)} tokens over a budget of {b}")
         return drafts
 
-    def _verify(self, drafts: list[Draft], last: list[int], cache: KVCache) -> Tensor:
-        """One target forward over each row's last token and its draft: [B, 1 + width, V]."""
+    def _verify(self, drafts: list[Draft], last: list[int], cache: KVCache) -> ModelOutput:
+        """One target forward over each row's last token and its draft: logits [B, 1 + width, V]
+        and final hidden states [B, 1 + width, H]."""
         device = self.model.device
         width = max(len(d) for d in drafts)
         lengths = torch.tensor(cache.lengths, device=device)[:, None]  # [B, 1]
         if width == 0:
             tokens = torch.tensor(last, device=device)[:, None]  # [B, 1]
-            return self.model(tokens, lengths, cache).logits
+            return self.model(tokens, lengths, cache)
         rows = [verify_inputs(d, width) for d in drafts]
         tokens = torch.tensor([[tok, *r[0][1:]] for tok, r in zip(last, rows)], device=device)  # [B, 1 + W]
         positions = lengths + torch.stack([r[1] for r in rows]).to(device)  # [B, 1 + W]
         mask = torch.stack([r[2] for r in rows]).to(device)  # [B, 1 + W, 1 + W]
-        return self.model(tokens, positions, cache, mask=mask).logits
+        return self.model(tokens, positions, cache, mask=mask)
 
 
 def commit(cache: KVCache, before: list[int], drafts: list[Draft], results: list[Acceptance | None]) -> None:

@@ -133,6 +133,41 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 @dataclass(slots=True)
+class ProposeCost:
+    """The proposer's time per step as a + b * depth (depth = the deepest draft node), fitted
+    by least squares over the last ``window`` drafting steps. A lookup proposer costs a
+    constant; a draft model one forward per level. Until the depths vary, all of the time is
+    charged per level (the cautious reading: it discourages long drafts)."""
+
+    window: int = 64
+    samples: list[tuple[int, float]] = field(default_factory=list)
+
+    def observe(self, depth: int, seconds: float) -> None:
+        if depth <= 0:
+            return
+        self.samples.append((depth, seconds))
+        if len(self.samples) > self.window:
+            del self.samples[0]
+
+    def estimate(self, depth: int) -> float:
+        if depth <= 0 or not self.samples:
+            return 0.0
+        a, b = self.fit()
+        return max(a + b * depth, 0.0)
+
+    def fit(self) -> tuple[float, float]:
+        ds = [float(d) for d, _ in self.samples]
+        ts = [t for _, t in self.samples]
+        mean_d, mean_t = statistics.fmean(ds), statistics.fmean(ts)
+        var = statistics.fmean([(d - mean_d) ** 2 for d in ds])
+        if var < 0.25:
+            return 0.0, mean_t / mean_d
+        b = statistics.fmean([(d - mean_d) * (t - mean_t) for d, t in zip(ds, ts)]) / var
+        b = max(b, 0.0)
+        return max(mean_t - b * mean_d, 0.0), b
+
+
+@dataclass(slots=True)
 class _Evidence:
     accepted: float = 0.0
     rejected: float = 0.0
@@ -146,7 +181,7 @@ class Policy:
         self.cost = cost
         self.evidence: dict[int, _Evidence] = {}
         self.idle_steps = 0  # consecutive steps the adaptive policy chose not to speculate
-        self.propose_s_per_step = 0.0  # running estimate of the proposer's cost when drafting
+        self.propose_cost = ProposeCost()  # the proposer's measured time against draft depth
 
     def prepare(self, batch: int) -> None:
         """Measure the cost model for this batch size now (it is measured once per size)."""
@@ -195,7 +230,7 @@ class Policy:
         best, best_rate = 0, 0.0
         for k in range(0, self.config.k + 1):
             gain = sum(expected_tokens(a, min(k, c)) for a, c in alphas)
-            cost = self.cost.latency(batch, 1 + k, q_max) + (self.propose_s_per_step if k else 0.0)
+            cost = self.cost.latency(batch, 1 + k, q_max) + self.propose_cost.estimate(k)
             if gain / cost > best_rate:
                 best, best_rate = k, gain / cost
         return best
@@ -209,5 +244,6 @@ class Policy:
         e.accepted = d * e.accepted + acceptance.accepted
         e.rejected = d * e.rejected + (1.0 if acceptance.accepted < depth else 0.0)
 
-    def observe_propose_time(self, seconds: float) -> None:
-        self.propose_s_per_step = 0.8 * self.propose_s_per_step + 0.2 * seconds if self.propose_s_per_step else seconds
+    def observe_propose_time(self, depth: int, seconds: float) -> None:
+        """One drafting step took ``seconds`` for drafts at most ``depth`` deep."""
+        self.propose_cost.observe(depth, seconds)

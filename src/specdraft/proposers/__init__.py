@@ -2,6 +2,8 @@
 
 A method's settings are the fields of its frozen config dataclass; ``make_proposer`` builds
 one from ``key=value`` strings (as the CLI's ``--opt`` passes them) and refuses unknown keys.
+A factory is called as ``factory(config, context)``: the context gives the target model and
+tokenizer to the proposers that need them.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdraft.errors import SpecdraftError
-from specdraft.proposers.base import NoDraft, Proposer
+from specdraft.proposers.base import NoDraft, Proposer, ProposerContext
 from specdraft.proposers.ngram import NgramConfig, NgramProposer
 
 
@@ -21,15 +23,15 @@ class Method:
     name: str
     summary: str
     config_type: type | None
-    factory: Callable[[Any], Proposer]
+    factory: Callable[[Any, ProposerContext | None], Proposer]
 
 
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
-        Method("plain", "no speculation: one token per target pass (the baseline)", None, lambda _: NoDraft()),
+        Method("plain", "no speculation: one token per target pass (the baseline)", None, lambda _c, _x: NoDraft()),
         Method("ngram", "prompt lookup: propose what followed the current suffix earlier in the context",
-               NgramConfig, NgramProposer),
+               NgramConfig, lambda c, _x: NgramProposer(c)),
     )
 }
 
@@ -44,14 +46,18 @@ def get_method(name: str) -> Method:
     return METHODS[name]
 
 
-def make_proposer(name: str, options: Mapping[str, str] | None = None) -> Proposer:
+def make_proposer(
+    name: str, options: Mapping[str, str] | None = None, context: ProposerContext | None = None
+) -> Proposer:
+    """Build the proposer of method ``name``. ``context`` is required by the methods that use
+    the target model (they raise a SpecdraftError without it)."""
     method = get_method(name)
     options = dict(options or {})
     if method.config_type is None:
         if options:
             raise SpecdraftError(f"method {name!r} takes no options, got {', '.join(options)}")
-        return method.factory(None)
-    return method.factory(parse_options(method.config_type, options, name))
+        return method.factory(None, context)
+    return method.factory(parse_options(method.config_type, options, name), context)
 
 
 def parse_options(config_type: type, options: Mapping[str, str], name: str) -> Any:

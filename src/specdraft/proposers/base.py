@@ -3,15 +3,25 @@
 The engine calls, for the rows of a batch (a row is a slot that holds one request at a time):
 
 - ``begin(row, seq)`` when a request enters a row;
-- ``propose(seqs, budgets)`` once per step for all rows (``None`` for rows that are idle or
-  finished, budget 0 for rows that must not speculate), returning one draft per row with at
-  most ``budgets[row]`` nodes;
-- ``observe(row, draft, acceptance)`` after verification, so the proposer can roll back its
-  own state (a draft model's KV cache), learn, or adapt;
+- ``propose(seqs, budgets, cache)`` once per step for all rows (``None`` for rows that are
+  idle or finished, budget 0 for rows that must not speculate), returning one draft per row
+  with at most ``budgets[row]`` nodes;
+- ``observe(row, draft, acceptance, verified)`` after verification, with the target's
+  logits and final hidden states at the root and every draft node, so the proposer can roll
+  back its own state (a draft model's KV cache), learn, or adapt;
 - ``end(row)`` when the request leaves the row.
 
-The sequence's ``tokens`` (prompt + emitted tokens, only ever growing) is the context. A
-proposer never touches the target's cache or the engine's state.
+The sequence's ``tokens`` (prompt + emitted tokens, only ever growing) is the context.
+
+The target's cache is lent to ``propose``: row ``r`` holds the keys/values of
+``seq.tokens[:cache.lengths[r]]`` (every token but the last, which the verifier feeds as the
+draft's root). A proposer may *read* the committed positions (self-speculation runs the
+target's first layers on them) and may use the positions past ``lengths`` as scratch, but must
+leave ``lengths`` as it found them: the verifier overwrites the scratch. It never touches the
+engine's state otherwise.
+
+A proposer that needs the target model (self-speculation, heads) or its tokenizer (a draft
+model's vocabulary check) gets them from the ``ProposerContext`` its factory receives.
 """
 
 from __future__ import annotations
@@ -19,9 +29,37 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from typing import Protocol, runtime_checkable
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torch import Tensor
+
 from specdraft.accept import Acceptance
 from specdraft.draft import Draft
+from specdraft.model.kv_cache import KVCache
 from specdraft.sequence import Sequence
+
+if TYPE_CHECKING:
+    from specdraft.model.tokenizer import Tokenizer
+    from specdraft.model.transformer import Transformer
+
+
+@dataclass(frozen=True, slots=True)
+class ProposerContext:
+    """What a proposer factory may use of the target: the model, its tokenizer and the
+    largest draft the policy will ask for."""
+
+    target: "Transformer"
+    tokenizer: "Tokenizer"
+    max_draft: int = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Verified:
+    """The target's view of one row's draft, from the verification pass."""
+
+    logits: Tensor  # [1 + W, V] float32: at the root (row 0) and draft node i (row i + 1); W >= N
+    hidden: Tensor  # [1 + W, H] final-norm hidden states at the same slots
 
 
 @runtime_checkable
@@ -30,9 +68,9 @@ class Proposer(Protocol):
 
     def begin(self, row: int, seq: Sequence) -> None: ...
 
-    def propose(self, seqs: Seq[Sequence | None], budgets: Seq[int]) -> list[Draft]: ...
+    def propose(self, seqs: Seq[Sequence | None], budgets: Seq[int], cache: KVCache) -> list[Draft]: ...
 
-    def observe(self, row: int, draft: Draft, acceptance: Acceptance) -> None: ...
+    def observe(self, row: int, draft: Draft, acceptance: Acceptance, verified: Verified) -> None: ...
 
     def end(self, row: int) -> None: ...
 
@@ -47,10 +85,10 @@ class NoDraft:
     def begin(self, row: int, seq: Sequence) -> None:
         pass
 
-    def propose(self, seqs: Seq[Sequence | None], budgets: Seq[int]) -> list[Draft]:
+    def propose(self, seqs: Seq[Sequence | None], budgets: Seq[int], cache: KVCache) -> list[Draft]:
         return [Draft.empty() for _ in seqs]
 
-    def observe(self, row: int, draft: Draft, acceptance: Acceptance) -> None:
+    def observe(self, row: int, draft: Draft, acceptance: Acceptance, verified: Verified) -> None:
         pass
 
     def end(self, row: int) -> None:

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from specdraft.accept import Acceptance
 from specdraft.draft import Draft
 from specdraft.errors import SpecdraftError
+from specdraft.model.kv_cache import KVCache
+from specdraft.proposers.base import Verified
 from specdraft.sequence import Sequence
 
 
@@ -108,7 +110,7 @@ class NgramProposer:
     def end(self, row: int) -> None:
         self.index.pop(row, None)
 
-    def propose(self, seqs: Seq[Sequence | None], budgets: Seq[int]) -> list[Draft]:
+    def propose(self, seqs: Seq[Sequence | None], budgets: Seq[int], cache: KVCache) -> list[Draft]:
         drafts = []
         for row, (seq, budget) in enumerate(zip(seqs, budgets)):
             if seq is None or budget <= 0:
@@ -133,7 +135,7 @@ class NgramProposer:
                 break
         return Draft.from_paths(_share_budget(paths, budget), max_nodes=budget)
 
-    def observe(self, row: int, draft: Draft, acceptance: Acceptance) -> None:
+    def observe(self, row: int, draft: Draft, acceptance: Acceptance, verified: Verified) -> None:
         pass  # the index catches up with the new tokens at the next propose()
 
     def memory_bytes(self) -> int:
