@@ -29,6 +29,9 @@ from specdraft.engine import Engine
 from specdraft.metrics import SpecStats
 from specdraft.model.loader import LoadedModel, load
 from specdraft.policy import Policy, PolicyConfig
+from specdraft.model.tokenizer import Tokenizer
+from specdraft.model.transformer import Transformer
+from specdraft.proposers.base import Proposer
 from specdraft.proposers.ngram import NgramConfig, NgramProposer
 from specdraft.sampling import GREEDY, Sampling, probabilities
 from specdraft.sequence import GenerationConfig
@@ -525,11 +528,20 @@ class SiblingsProposer:
         return out
 
 
-def _engine_lossless_check(setup, proposer: str = "ngram") -> tuple[GofResult, GofResult, GofResult, SpecStats]:
+def _engine_lossless_check(
+    setup, proposer: "str | Callable[[Transformer, Tokenizer], Proposer]" = "ngram", k: int = 4
+) -> tuple[GofResult, GofResult, GofResult, SpecStats]:
+    """2,000 seeded rows at temperature 1 through the whole engine; the goodness of fit of
+    the first token, the first two and the first three against the model's exact
+    distribution. ``proposer``: "ngram", "siblings", or a function (model, tokenizer) ->
+    proposer (used by every proposer's own lossless test)."""
     model, tokenizer, prompt, p1, p2, pairs, p3 = setup
     vocab = p1.shape[0]
-    drafts = NgramProposer(NgramConfig(min_n=1, max_n=3)) if proposer == "ngram" else SiblingsProposer(len(prompt), p2)
-    engine = Engine(model, tokenizer, drafts, Policy(PolicyConfig(kind="fixed", k=4)))
+    if callable(proposer):
+        drafts = proposer(model, tokenizer)
+    else:
+        drafts = NgramProposer(NgramConfig(min_n=1, max_n=3)) if proposer == "ngram" else SiblingsProposer(len(prompt), p2)
+    engine = Engine(model, tokenizer, drafts, Policy(PolicyConfig(kind="fixed", k=k)))
     stats = SpecStats()
     rows = engine.generate([prompt] * ENGINE_ROWS, GenerationConfig(max_new_tokens=3, ignore_eos=True),
                            [Sampling(temperature=1.0, seed=i) for i in range(ENGINE_ROWS)], stats=stats)
