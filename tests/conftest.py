@@ -22,3 +22,11 @@ def tiny_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_gguf(tiny_hf: Path) -> Path:
     """The same weights as ``tiny_hf`` in an F32 GGUF file (llama.cpp layout and metadata)."""
     return write_gguf_model(tiny_hf.parent / "tiny-llama-F32.gguf", tiny_hf, qtype="F32")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache(tmp_path_factory: pytest.TempPathFactory):
+    """Keep the tests' on-disk caches (verify's plain outputs) out of the user's home."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECDRAFT_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield

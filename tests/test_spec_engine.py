@@ -682,3 +682,29 @@ def test_propose_cost_fits_constant_and_per_level_costs() -> None:
     for _ in range(5):
         same.observe(4, 0.04)  # no spread in depth yet: charged per level
     assert same.estimate(8) == pytest.approx(0.08)
+
+
+def test_verify_reuses_cached_plain_outputs(tiny: Setup, tmp_path: Path) -> None:
+    from specdraft.verify import ReferenceCache
+
+    loaded = tiny.loaded
+    gen = GenerationConfig(max_new_tokens=10)
+    cache = ReferenceCache(tmp_path, {"model": "tiny"})
+    spec = spec_engine(loaded, NgramProposer(), 4)
+    first = VerifyReport()
+    compare_prompt(Prompt("a", "mine", ("Hello there",)), plain_engine(loaded), spec, gen, 200, first, cache)
+
+    class NoPlain:  # a second run must not decode plainly again
+        tokenizer = loaded.tokenizer
+
+        def generate(self, *args, **kwargs):
+            raise AssertionError("plain decoding ran although its output was cached")
+
+    again = ReferenceCache(tmp_path, {"model": "tiny"})  # re-read from disk
+    with open(again.path, "a") as f:
+        f.write('{"key": "torn')  # an interrupted write is skipped, not fatal
+    second = VerifyReport()
+    compare_prompt(Prompt("a", "mine", ("Hello there",)), NoPlain(), spec, gen, 200, second, ReferenceCache(tmp_path, {"model": "tiny"}))
+    assert first.matched_turns == second.matched_turns == 1 and not second.mismatches
+    other = ReferenceCache(tmp_path, {"model": "other"})
+    assert other.path != again.path and not other.entries

@@ -1,16 +1,25 @@
 """Equivalence check: speculative output must equal plain output, byte for byte, at
 temperature 0. Conversations run turn by turn; a turn is compared only while every earlier
-turn matched (otherwise the contexts differ)."""
+turn matched (otherwise the contexts differ).
+
+Plain outputs are the reference for every method, so they are cached on disk
+(``$SPECDRAFT_CACHE``, default ``~/.cache/specdraft``, under ``verify/``) keyed by the model
+file, dtype, device, thread count, torch version, token limit and the prompt's token ids:
+checking a second method costs only its own generations. ``SPECDRAFT_CACHE=off`` disables it.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import sys
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from specdraft.api import build_engine
@@ -62,6 +71,50 @@ class VerifyReport:
         return len(self.mismatches) / self.prompts if self.prompts else 0.0
 
 
+class ReferenceCache:
+    """Plain greedy outputs on disk, one JSON line per (conditions, prompt ids)."""
+
+    def __init__(self, folder: Path | None, conditions: dict[str, Any]) -> None:
+        self.path = None if folder is None else folder / "verify" / f"{_digest(conditions)[:24]}.jsonl"
+        self.entries: dict[str, dict[str, Any]] = {}
+        if self.path is not None and self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                    self.entries[row["key"]] = row
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    continue  # a torn last line from an interrupted run: recomputed
+
+    @classmethod
+    def for_run(cls, cfg: "VerifyConfig", source: Path, device: str) -> "ReferenceCache":
+        setting = os.environ.get("SPECDRAFT_CACHE", "")
+        if setting.lower() in ("off", "0", "no", "false"):
+            return cls(None, {})
+        folder = Path(setting) if setting else Path.home() / ".cache" / "specdraft"
+        st = source.stat() if source.is_file() else None
+        conditions = {"model": str(source.resolve()), "size": st.st_size if st else None,
+                      "mtime": st.st_mtime_ns if st else None, "dtype": cfg.dtype, "device": device,
+                      "threads": torch.get_num_threads(), "torch": torch.__version__,
+                      "max_new_tokens": cfg.max_new_tokens}
+        return cls(folder, conditions)
+
+    def get(self, ids: list[int]) -> tuple[str, list[int]] | None:
+        row = self.entries.get(_digest(ids))
+        return None if row is None else (row["text"], row["tokens"])
+
+    def put(self, ids: list[int], text: str, tokens: list[int]) -> None:
+        key = _digest(ids)
+        self.entries[key] = {"key": key, "text": text, "tokens": tokens}
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a") as f:
+                f.write(json.dumps(self.entries[key]) + "\n")
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
 def first_difference(a: list[Any] | str, b: list[Any] | str) -> int:
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), n if len(a) != len(b) else -1)
@@ -76,22 +129,33 @@ def select_prompts(cfg: VerifyConfig) -> list[Prompt]:
 
 
 def compare_prompt(prompt: Prompt, plain: Engine, spec: Engine, gen: GenerationConfig, max_prompt: int,
-                   report: VerifyReport) -> None:
+                   report: VerifyReport, cache: ReferenceCache | None = None) -> None:
     messages: list[dict[str, str]] = []
     report.prompts += 1
     for turn, user in enumerate(prompt.turns):
         messages.append({"role": "user", "content": user})
         ids, cut = fit_messages(plain.tokenizer, messages, max_prompt, prompt.id)
         report.truncated_prompts += int(cut and turn == 0)
-        ref = plain.generate([ids], gen)[0]
+        text, tokens = _plain_output(plain, ids, gen, cache)
         got = spec.generate([ids], gen, stats=report.stats)[0]
         report.turns += 1
-        if ref.text.encode() != got.text.encode() or ref.tokens != got.tokens:
-            report.mismatches.append(Mismatch(prompt.id, prompt.workload, turn, first_difference(ref.tokens, got.tokens),
-                                              first_difference(ref.text, got.text), ref.text, got.text))
+        if text.encode() != got.text.encode() or tokens != got.tokens:
+            report.mismatches.append(Mismatch(prompt.id, prompt.workload, turn, first_difference(tokens, got.tokens),
+                                              first_difference(text, got.text), text, got.text))
             return
         report.matched_turns += 1
-        messages.append({"role": "assistant", "content": ref.text})
+        messages.append({"role": "assistant", "content": text})
+
+
+def _plain_output(plain: Engine, ids: list[int], gen: GenerationConfig,
+                  cache: ReferenceCache | None) -> tuple[str, list[int]]:
+    hit = cache.get(ids) if cache is not None else None
+    if hit is not None:
+        return hit
+    ref = plain.generate([ids], gen)[0]
+    if cache is not None:
+        cache.put(ids, ref.text, ref.tokens)
+    return ref.text, ref.tokens
 
 
 def run_verify(cfg: VerifyConfig) -> VerifyReport:
@@ -102,10 +166,11 @@ def run_verify(cfg: VerifyConfig) -> VerifyReport:
     max_prompt = loaded.config.max_context - cfg.max_new_tokens - cfg.k - 2
     prompts = select_prompts(cfg)
     report = VerifyReport()
+    cache = ReferenceCache.for_run(cfg, loaded.source, cfg.device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # truncation is counted and reported below
         for prompt in tqdm(prompts, desc=f"verify {cfg.method}", unit="prompt", file=sys.stderr):
-            compare_prompt(prompt, plain, spec, gen, max_prompt, report)
+            compare_prompt(prompt, plain, spec, gen, max_prompt, report, cache)
     print(format_report(cfg, report))
     if cfg.out:
         path = Path(cfg.out)
