@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import statistics
+import sys
 import warnings
 from pathlib import Path
 
@@ -447,7 +448,8 @@ def test_missing_peer_is_skipped_with_a_note(tiny_gguf, mine_jsonl, tmp_path, mo
     monkeypatch.setattr(peers_mod.TransformersPeer, "bind", failing_bind)
     logged: list[str] = []
     cfg = BenchConfig(methods=(MethodSpec.parse("ngram"),), workloads=(f"mine={mine_jsonl}",), max_new_tokens=4,
-                      samples=1, model=str(tiny_gguf), out=str(tmp_path), peers=("llamacpp", "transformers"))
+                      samples=1, model=str(tiny_gguf), out=str(tmp_path), peers=("llamacpp", "transformers"),
+                      isolate_peers=False)  # in-process, so that the patches above apply
     results = run_bench(cfg, log=logged.append)
     notes = results["peer_notes"]
     assert notes["llamacpp"].startswith("skipped") and "llama-cpp-python is not installed" in notes["llamacpp"]
@@ -460,6 +462,21 @@ def test_missing_peer_is_skipped_with_a_note(tiny_gguf, mine_jsonl, tmp_path, mo
     md = write_report(tmp_path).read_text()
     assert f"- peer llamacpp: {notes['llamacpp']}" in md
     assert f"- peer transformers: {notes['transformers']}" in md
+
+
+def test_isolated_peer_rows_notes_and_crashes():
+    got: list[dict] = []
+    job = {"peer": "llamacpp", "source": "/nonexistent/model.bin", "workloads": {"w": [[1, 2]]}, "max_new_tokens": 4}
+    note = peers_mod.measure_isolated(job, got.append)  # the real child: no GGUF, so a note and no rows
+    assert got == [] and note.startswith("skipped") and ("GGUF" in note or "not installed" in note)
+    script = ("import json, os, signal; print('chatter'); "
+              "print(json.dumps({'peer': 'x', 'workload': 'w', 'speedup': 1.5}), flush=True); "
+              "os.kill(os.getpid(), signal.SIGSEGV)")
+    note = peers_mod.measure_isolated(job, got.append, argv=[sys.executable, "-c", script])
+    assert got == [{"peer": "x", "workload": "w", "speedup": 1.5}]  # rows before the crash are kept
+    assert note == "crashed (signal SIGSEGV) after 1 workload(s)"
+    note = peers_mod.measure_isolated(job, got.append, argv=[sys.executable, "-c", "raise SystemExit('bad job')"])
+    assert note == "crashed (exit code 1) after 0 workload(s): bad job"
 
 
 def test_peer_availability_checks(tiny_gguf, tiny_hf, monkeypatch):

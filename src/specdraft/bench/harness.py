@@ -86,6 +86,7 @@ class BenchConfig:
     device: str = "cpu"
     out: str = "runs/bench"
     peers: tuple[str, ...] = ()  # "transformers", "llamacpp": measured at batch 1, skipped with a note if missing
+    isolate_peers: bool = True  # each peer in its own process: a crash there loses only that peer's rows
 
     def __post_init__(self) -> None:
         if self.samples < 1 or self.repeats < 1 or self.max_new_tokens < 1:
@@ -276,38 +277,32 @@ def _fill_speedups(rows: list[Row], workload: str, batch: int) -> None:
 
 def run_peers(cfg: BenchConfig, loaded: LoadedModel, requests: dict[str, list[Request]], gen: GenerationConfig,
               log: Callable[[str], None]) -> tuple[list[dict[str, Any]], dict[str, str]]:
-    """Each peer's plain and prompt-lookup decoding on the batch-1 requests of every workload."""
-    from specdraft.bench.peers import PEERS
+    """Each peer's plain and prompt-lookup decoding on the batch-1 requests of every workload,
+    each peer in its own process unless ``cfg.isolate_peers`` is off."""
+    from specdraft.bench.peers import measure_isolated, measure_peer
 
     rows: list[dict[str, Any]] = []
     notes: dict[str, str] = {}
+    workloads = {w: [list(group[0].tokens) for group in batches(reqs, 1, w, cfg.samples)]
+                 for w, reqs in requests.items()}
+
+    def emit(row: dict[str, Any]) -> None:
+        if "note" in row:
+            notes[name] = str(row["note"])
+            return
+        rows.append(row)
+        log(f"  peer {name:>12} {row['workload']:>18}: plain {row['plain_tokens_per_s']:6.1f} tok/s, "
+            f"prompt lookup {row['prompt_lookup_tokens_per_s']:6.1f} tok/s x{row['speedup']:.2f}")
+
     for name in cfg.peers:
-        peer = PEERS[name]()
-        reason = peer.unavailable(loaded.source)
-        if reason is not None:
-            notes[name] = f"skipped: {reason}"
-            log(f"peer {name} skipped: {reason}")
-            continue
-        try:
-            peer.bind(loaded.source)
-        except Exception as e:  # a peer failing to load is reported, not fatal
-            notes[name] = f"skipped: failed to load ({type(e).__name__}: {e})"
-            log(f"peer {name} skipped: {notes[name]}")
-            continue
-        first = next(iter(requests.values()))
-        peer.run([first[0].tokens], 8, False)  # warm-up
-        peer.run([first[0].tokens], 8, True)
-        for w, reqs in requests.items():
-            prompts = [group[0].tokens for group in batches(reqs, 1, w, cfg.samples)]
-            plain = peer.run(prompts, gen.max_new_tokens, False)
-            spec = peer.run(prompts, gen.max_new_tokens, True)
-            plain_tps = plain.new_tokens / plain.seconds
-            spec_tps = spec.new_tokens / spec.seconds
-            rows.append({"peer": name, "workload": w, "batch": 1, "requests": len(prompts),
-                         "plain_tokens_per_s": plain_tps, "prompt_lookup_tokens_per_s": spec_tps,
-                         "speedup": spec_tps / plain_tps, "plain_new_tokens": plain.new_tokens,
-                         "prompt_lookup_new_tokens": spec.new_tokens})
-            log(f"  peer {name:>12} {w:>18}: plain {plain_tps:6.1f} tok/s, prompt lookup {spec_tps:6.1f} tok/s "
-                f"x{spec_tps / plain_tps:.2f}")
-        notes.setdefault(name, "ok")
+        log(f"peer {name}: plain and prompt lookup on {len(workloads)} workload(s)")
+        if cfg.isolate_peers:
+            job = {"peer": name, "source": str(loaded.source), "workloads": workloads,
+                   "max_new_tokens": gen.max_new_tokens}
+            notes[name] = measure_isolated(job, emit)
+        else:
+            measure_peer(name, loaded.source, workloads, gen.max_new_tokens, emit)
+            notes.setdefault(name, "ok")
+        if notes[name] != "ok":
+            log(f"peer {name} {notes[name]}")
     return rows, notes

@@ -2,13 +2,21 @@
 batch 1): Hugging Face transformers (``prompt_lookup_num_tokens``) and llama-cpp-python
 (``LlamaPromptLookupDecoding``). Each peer's speedup is over its own plain decoding, set beside
 ours. Peers are optional: a missing package is skipped with a note, never an error.
+
+Each peer is measured in its own process (``python -m specdraft.bench.peers``, a JSON job on
+stdin, one JSON line per result on stdout), so that a peer that crashes the interpreter (a
+native library can) costs only its own rows, reported as a note.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import signal
+import subprocess
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -115,3 +123,74 @@ class LlamaCppPeer:
 
 
 PEERS = {"transformers": TransformersPeer, "llamacpp": LlamaCppPeer}
+
+
+def measure_peer(name: str, source: Path, workloads: dict[str, list[list[int]]], max_new_tokens: int,
+                 emit: Callable[[dict[str, Any]], None]) -> None:
+    """Plain and prompt-lookup decoding of peer ``name`` on each workload's prompts (batch 1).
+    Emits one row per workload, or a single {"note": ...} when the peer cannot run."""
+    peer = PEERS[name]()
+    reason = peer.unavailable(source)
+    if reason is not None:
+        emit({"note": f"skipped: {reason}"})
+        return
+    try:
+        peer.bind(source)
+    except Exception as e:  # a peer failing to load is reported, not fatal
+        emit({"note": f"skipped: failed to load ({type(e).__name__}: {e})"})
+        return
+    first = next(iter(workloads.values()))[0]
+    peer.run([first], 8, False)  # warm-up
+    peer.run([first], 8, True)
+    for w, prompts in workloads.items():
+        plain = peer.run(prompts, max_new_tokens, False)
+        spec = peer.run(prompts, max_new_tokens, True)
+        plain_tps, spec_tps = plain.new_tokens / plain.seconds, spec.new_tokens / spec.seconds
+        emit({"peer": name, "workload": w, "batch": 1, "requests": len(prompts),
+              "plain_tokens_per_s": plain_tps, "prompt_lookup_tokens_per_s": spec_tps,
+              "speedup": spec_tps / plain_tps, "plain_new_tokens": plain.new_tokens,
+              "prompt_lookup_new_tokens": spec.new_tokens})
+
+
+def measure_isolated(job: dict[str, Any], emit: Callable[[dict[str, Any]], None],
+                     argv: Sequence[str] | None = None) -> str:
+    """Run ``measure_peer`` for ``job`` in a child process; its rows go to ``emit`` as they
+    arrive. Returns the peer's note ("ok", a skip reason, or how the process died)."""
+    cmd = list(argv) if argv is not None else [sys.executable, "-m", "specdraft.bench.peers"]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(json.dumps(job))
+    proc.stdin.close()
+    note, rows = "ok", 0
+    for line in proc.stdout:
+        try:
+            msg = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a native library's chatter on stdout
+        if isinstance(msg, dict) and "note" in msg:
+            note = str(msg["note"])
+        elif isinstance(msg, dict):
+            rows += 1
+            emit(msg)
+    err = proc.stderr.read() if proc.stderr is not None else ""
+    code = proc.wait()
+    if code != 0:
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        last = err.strip().splitlines()[-1] if err.strip() else ""
+        note = f"crashed ({how}) after {rows} workload(s)" + (f": {last}" if last else "")
+    return note
+
+
+def _main() -> int:
+    job = json.load(sys.stdin)
+    workloads = {w: [list(p) for p in ps] for w, ps in job["workloads"].items()}
+
+    def emit(row: dict[str, Any]) -> None:
+        print(json.dumps(row), flush=True)
+
+    measure_peer(job["peer"], Path(job["source"]), workloads, int(job["max_new_tokens"]), emit)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
