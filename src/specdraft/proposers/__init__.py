@@ -16,6 +16,10 @@ from typing import Any
 from specdraft.errors import SpecdraftError
 from specdraft.proposers.base import NoDraft, Proposer, ProposerContext
 from specdraft.proposers.ngram import NgramConfig, NgramProposer
+from specdraft.proposers.draft_model import DraftModelConfig, make_draft_proposer
+from specdraft.proposers.layer_skip import LayerSkipConfig, make_layer_skip_proposer
+from specdraft.proposers.retrieval import RestConfig, RestProposer
+from specdraft.proposers.lookahead import LookaheadConfig, LookaheadProposer
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +36,14 @@ METHODS: dict[str, Method] = {
         Method("plain", "no speculation: one token per target pass (the baseline)", None, lambda _c, _x: NoDraft()),
         Method("ngram", "prompt lookup: propose what followed the current suffix earlier in the context",
                NgramConfig, lambda c, _x: NgramProposer(c)),
+        Method("draft", "draft model: a smaller model with the same vocabulary drafts a chain (or a first-level tree)",
+               DraftModelConfig, make_draft_proposer),
+        Method("layer-skip", "self-speculation: the target's first layers (early exit) draft a chain; no extra weights",
+               LayerSkipConfig, make_layer_skip_proposer),
+        Method("lookahead", "lookahead decoding: a Jacobi window guessed in the verification pass feeds an n-gram pool; pool n-grams are verified",
+               LookaheadConfig, lambda c, _x: LookaheadProposer(c)),
+        Method("rest", "retrieval (REST): propose what followed the context's suffix in a datastore built from a corpus",
+               RestConfig, RestProposer.from_context),
     )
 }
 
