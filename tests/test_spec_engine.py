@@ -497,7 +497,7 @@ def test_ngram_index_is_incremental() -> None:
     small = NgramIndex(NgramConfig(min_n=1, max_n=1, max_occurrences=2))
     small.extend([4] * 6, 6)
     assert small.table[(4,)] == [5, 6]
-    assert small.lookup([4] * 7) == [6, 5]
+    assert small.lookup([4] * 7) == ([6, 5], 1)
 
 
 def test_ngram_rows_are_independent() -> None:
@@ -708,3 +708,34 @@ def test_verify_reuses_cached_plain_outputs(tiny: Setup, tmp_path: Path) -> None
     assert first.matched_turns == second.matched_turns == 1 and not second.mismatches
     other = ReferenceCache(tmp_path, {"model": "other"})
     assert other.path != again.path and not other.entries
+
+
+def test_draft_up_to_depth_keeps_parents_and_p_draft() -> None:
+    d = Draft((5, 6, 7, 8, 9), (-1, 0, -1, 1, 2), torch.eye(5), label="n3")
+    cut = d.up_to_depth(2)
+    assert cut.tokens == (5, 6, 7, 9) and cut.parents == (-1, 0, -1, 2) and cut.label == "n3"
+    assert torch.equal(cut.p_draft, torch.eye(5)[[0, 1, 2, 4]])
+    assert len(d.up_to_depth(0)) == 0 and d.up_to_depth(3) is d
+
+
+def test_policy_trims_drafts_whose_label_rarely_pays() -> None:
+    policy = Policy(PolicyConfig(kind="adaptive", k=8), cost_table(1, per_token=0.1))
+    policy.begin(0)
+    weak, strong = Draft.chain(range(8), label="n2"), Draft.chain(range(8), label="n4")
+    assert policy.trim([weak, strong], 1) == [weak, strong]  # no evidence yet: untouched
+    for _ in range(20):
+        policy.observe(0, weak, Acceptance((), (1,)))  # 2-token matches are always wrong
+        policy.observe(0, strong, Acceptance(tuple(range(8)), tuple(range(9))))  # 4-token ones right
+    assert policy.label_alpha("n2") < 0.1 and policy.label_alpha("n4") > 0.9
+    cut_weak, cut_strong = policy.trim([weak, strong], 1)
+    assert len(cut_weak) == 0 and cut_strong == strong
+    assert policy.label_alpha("n9") is None
+    fixed = Policy(PolicyConfig(kind="fixed", k=8))
+    fixed.observe(0, weak, Acceptance((), (1,)))
+    assert fixed.trim([weak], 1) == [weak]  # the fixed policy drafts what it is given
+
+
+def test_ngram_labels_drafts_with_the_match_length() -> None:
+    tokens = [1, 2, 3, 9, 2, 3, 4, 1, 2, 3]
+    assert propose(NgramProposer(CLASSIC), tokens, 2).label == "n3"
+    assert propose(NgramProposer(CLASSIC), [7, 3, 5, 1, 3, 5], 2).label == "n2"

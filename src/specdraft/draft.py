@@ -26,6 +26,8 @@ class Draft:
     # from (the proposer's distribution at its parent). None = a deterministic proposer, whose
     # tokens count as one-hot draws. Siblings must be either independent draws from their common
     # distribution or deterministic, for lossless sampling.
+    label: str = ""  # the kind of evidence behind the draft (e.g. "n3": a 3-token match); the
+    # adaptive policy learns acceptance per label and trims drafts whose label rarely pays
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
@@ -42,11 +44,11 @@ class Draft:
         return cls((), ())
 
     @classmethod
-    def chain(cls, tokens: Sequence[int], p_draft: Tensor | None = None) -> "Draft":
-        return cls(tuple(int(t) for t in tokens), tuple(range(-1, len(tokens) - 1)), p_draft)
+    def chain(cls, tokens: Sequence[int], p_draft: Tensor | None = None, label: str = "") -> "Draft":
+        return cls(tuple(int(t) for t in tokens), tuple(range(-1, len(tokens) - 1)), p_draft, label)
 
     @classmethod
-    def from_paths(cls, paths: Sequence[Sequence[int]], max_nodes: int | None = None) -> "Draft":
+    def from_paths(cls, paths: Sequence[Sequence[int]], max_nodes: int | None = None, label: str = "") -> "Draft":
         """Merge token sequences into a trie (shared prefixes become one node), in the order
         given: earlier paths' nodes come first among siblings. Stops adding nodes at max_nodes."""
         tokens: list[int] = []
@@ -63,7 +65,7 @@ class Draft:
                     tokens.append(int(tok))
                     parents.append(parent)
                 parent = index[key]
-        return cls(tuple(tokens), tuple(parents))
+        return cls(tuple(tokens), tuple(parents), label=label)
 
     # -- derived structure ----------------------------------------------------------------------
     def __len__(self) -> int:
@@ -98,6 +100,16 @@ class Draft:
                 path.append(self.parents[path[-1]])
             out.append(path[::-1])
         return out
+
+    def up_to_depth(self, depth: int) -> "Draft":
+        """The nodes at most ``depth`` deep (parents re-indexed, p_draft rows kept with them)."""
+        keep = [i for i, d in enumerate(self.depths()) if d <= depth]
+        if len(keep) == len(self):
+            return self
+        new = {old: j for j, old in enumerate(keep)}
+        p_draft = self.p_draft[keep] if self.p_draft is not None else None
+        return Draft(tuple(self.tokens[i] for i in keep), tuple(new.get(self.parents[i], -1) for i in keep),
+                     p_draft, self.label)
 
     def path_to(self, node: int) -> list[int]:
         path = []

@@ -240,6 +240,7 @@ class Engine:
         drafts = self.proposer.propose(active, budgets, cache)
         if cache.lengths != lengths:
             raise RuntimeError(f"proposer {self.proposer.name} changed the target cache's lengths")
+        drafts = self.policy.trim(drafts, len(seqs))
         for d, b in zip(drafts, budgets):
             if len(d) > max(b, 0):
                 raise RuntimeError(f"proposer {self.proposer.name} drafted {len(d)} tokens over a budget of {b}")

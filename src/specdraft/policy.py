@@ -15,6 +15,14 @@ verification of extra tokens is no longer free, so speculation switches itself o
 While off, the policy probes (drafts ``probe_k`` tokens once every ``probe_every`` steps) only
 where a probe is cheap (latency(batch, 1 + probe_k) <= ``probe_cost`` x latency(batch, 1)), so
 that a request whose text becomes predictable again is noticed.
+
+After proposing, drafts are *trimmed*: a proposer may label a draft with the kind of evidence
+behind it (the n-gram proposer: the length of the suffix it matched). The policy keeps decayed
+accept/reject counts per label, across requests, and once a label has ``label_min`` outcomes
+it cuts that label's drafts to the depth that maximises expected tokens per second with the
+label's own alpha, down to nothing: a 2-token match in creative text is rarely worth the
+verification it costs, a 4-token match in a summary is. Trimming depends only on past
+outcomes, so it keeps the output exact.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ class PolicyConfig:
     prior: float = 0.5
     probe_every: int = 8
     probe_cost: float = 1.6
+    label_min: float = 8.0  # outcomes a draft label needs before its own alpha trims its drafts
 
     def __post_init__(self) -> None:
         if self.kind not in ("fixed", "adaptive"):
@@ -173,6 +182,14 @@ class _Evidence:
     rejected: float = 0.0
 
 
+LABEL_DECAY = 0.98  # per-label evidence is pooled over many requests: it may remember longer
+
+
+def _decay_add(e: _Evidence, decay: float, accepted: float, rejected: float) -> None:
+    e.accepted = decay * e.accepted + accepted
+    e.rejected = decay * e.rejected + rejected
+
+
 class Policy:
     def __init__(self, config: PolicyConfig = PolicyConfig(), cost: CostModel | None = None) -> None:
         if config.kind == "adaptive" and cost is None:
@@ -180,6 +197,7 @@ class Policy:
         self.config = config
         self.cost = cost
         self.evidence: dict[int, _Evidence] = {}
+        self.by_label: dict[str, _Evidence] = {}  # across requests: draft label -> outcomes
         self.idle_steps = 0  # consecutive steps the adaptive policy chose not to speculate
         self.propose_cost = ProposeCost()  # the proposer's measured time against draft depth
 
@@ -239,10 +257,36 @@ class Policy:
         depth = max(draft.depths(), default=0)
         if depth == 0 or row not in self.evidence:
             return
-        e = self.evidence[row]
-        d = self.config.decay
-        e.accepted = d * e.accepted + acceptance.accepted
-        e.rejected = d * e.rejected + (1.0 if acceptance.accepted < depth else 0.0)
+        rejected = 1.0 if acceptance.accepted < depth else 0.0
+        _decay_add(self.evidence[row], self.config.decay, acceptance.accepted, rejected)
+        if draft.label:
+            e = self.by_label.setdefault(draft.label, _Evidence())
+            _decay_add(e, LABEL_DECAY, acceptance.accepted, rejected)
+
+    def label_alpha(self, label: str) -> float | None:
+        """The label's own alpha, once it has ``label_min`` outcomes (else None)."""
+        e = self.by_label.get(label)
+        if e is None or e.accepted + e.rejected < self.config.label_min:
+            return None
+        return (e.accepted + self.config.prior) / (e.accepted + e.rejected + 1.0)
+
+    def trim(self, drafts: list[Draft], batch: int) -> list[Draft]:
+        """Cut each labelled draft to the depth its label's alpha pays for (adaptive only)."""
+        if self.config.kind != "adaptive" or not self.by_label:
+            return drafts
+        assert self.cost is not None
+        q_max = 1 + self.config.k
+        out = []
+        for d in drafts:
+            alpha = self.label_alpha(d.label) if d.label and len(d) else None
+            if alpha is None:
+                out.append(d)
+                continue
+            depths = d.depths()
+            rate = [expected_tokens(alpha, k) / self.cost.latency(batch, 1 + sum(x <= k for x in depths), q_max)
+                    for k in range(max(depths) + 1)]
+            out.append(d.up_to_depth(max(range(len(rate)), key=rate.__getitem__)))
+        return out
 
     def observe_propose_time(self, depth: int, seconds: float) -> None:
         """One drafting step took ``seconds`` for drafts at most ``depth`` deep."""

@@ -61,15 +61,16 @@ class NgramIndex:
                     del ends[0]
         self.indexed_to = max(self.indexed_to, upto)
 
-    def lookup(self, tokens: list[int]) -> list[int]:
-        """End positions of earlier occurrences of the longest matching suffix, newest first."""
+    def lookup(self, tokens: list[int]) -> tuple[list[int], int]:
+        """End positions of earlier occurrences of the longest matching suffix, newest first,
+        and that suffix's length (0 = no match)."""
         c = self.config
         size = len(tokens)
         for n in range(min(c.max_n, size), c.min_n - 1, -1):
             ends = self.table.get(tuple(tokens[size - n :]))
             if ends:
-                return ends[::-1]
-        return []
+                return ends[::-1], n
+        return [], 0
 
     def nbytes(self) -> int:
         # rough: key tuple + list + ints, ~ 64 bytes per n-gram plus 8 per position
@@ -121,11 +122,12 @@ class NgramProposer:
 
     def _propose_row(self, index: NgramIndex, tokens: list[int], budget: int) -> Draft:
         index.extend(tokens, len(tokens) - 1)  # everything but the current suffix itself
-        ends = index.lookup(tokens)
+        ends, n = index.lookup(tokens)
         if not ends:
             return Draft.empty()
+        label = f"n{n}"  # the policy learns how often each match length is right
         if self.config.branches == 1:
-            return Draft.chain(continuation(tokens, ends[0], budget))
+            return Draft.chain(continuation(tokens, ends[0], budget), label=label)
         paths: list[list[int]] = []
         for end in ends:
             path = continuation(tokens, end, budget)
@@ -133,7 +135,7 @@ class NgramProposer:
                 paths.append(path)
             if len(paths) == self.config.branches:
                 break
-        return Draft.from_paths(_share_budget(paths, budget), max_nodes=budget)
+        return Draft.from_paths(_share_budget(paths, budget), max_nodes=budget, label=label)
 
     def observe(self, row: int, draft: Draft, acceptance: Acceptance, verified: Verified) -> None:
         pass  # the index catches up with the new tokens at the next propose()
