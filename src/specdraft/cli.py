@@ -126,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("folder", help="a benchmark output folder (with results.json)")
     rep.set_defaults(func=cmd_report)
 
+    _add_datastore_commands(sub)
+
     bench = sub.add_parser("bench-runtime", help="benchmark the model runtime (plain decoding, verification cost)",
                            description="Plain decode tokens/s at batch 1 and 8 next to Hugging Face "
                                        "transformers on the same weights, and forward latency against the "
@@ -143,6 +145,63 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     bench.set_defaults(func=cmd_bench_runtime)
     return parser
+
+
+def _add_datastore_commands(sub: argparse._SubParsersAction) -> None:
+    ds = sub.add_parser("datastore", help="build or inspect a retrieval datastore (for --method rest)",
+                        description="A datastore is a corpus tokenized with the target's tokenizer and indexed by "
+                                    "a suffix array, in one file; the rest method drafts what followed the "
+                                    "context's suffix in it.")
+    actions = ds.add_subparsers(dest="action", required=True, metavar="ACTION")
+    b = actions.add_parser("build", help="tokenize a corpus and index it",
+                           description="Tokenize a corpus with the model's tokenizer (the weights are not loaded), "
+                                       "build its suffix array and save both in one file.")
+    b.add_argument("--stdlib", action="store_true",
+                   help="index this Python's standard library source (.py files; tests and site-packages skipped): "
+                        "a good default for code; without --out it goes where --method rest looks by default")
+    b.add_argument("--corpus", action="append", default=[], metavar="PATH",
+                   help="a text file or a folder of them to index (repeatable)")
+    b.add_argument("--glob", default=None, metavar="PATTERN",
+                   help="which files of a --corpus folder, e.g. '**/*.md' (default: every UTF-8 text file)")
+    b.add_argument("--model", default=None, metavar="PATH",
+                   help="the model whose tokenizer to use (default: the embedded SmolLM2-135M-Instruct)")
+    b.add_argument("--max-tokens", type=int, default=20_000_000,
+                   help="most tokens to index; later files are cut (default: 20,000,000, about 160 MB on disk)")
+    b.add_argument("--out", default=None, metavar="FILE",
+                   help="output file (default: $SPECDRAFT_DATASTORES or ~/.cache/specdraft/datastores, named "
+                        "stdlib-<tokenizer fingerprint>.sdds with --stdlib alone, else after the first corpus path)")
+    b.set_defaults(func=cmd_datastore_build)
+    info = actions.add_parser("info", help="check a datastore file and print its header")
+    info.add_argument("file", help="a datastore file (.sdds)")
+    info.set_defaults(func=cmd_datastore_info)
+
+
+def cmd_datastore_build(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from specdraft.corpus import CorpusSpec
+    from specdraft.datastore import build_datastore, default_datastore_path, load_tokenizer
+
+    spec = CorpusSpec(stdlib=args.stdlib, paths=tuple(args.corpus), glob=args.glob)
+    tokenizer, model = load_tokenizer(args.model)
+    name = "stdlib" if not args.corpus else Path(args.corpus[0]).expanduser().resolve().stem
+    out = args.out or default_datastore_path(tokenizer, name)
+    built = build_datastore(spec, tokenizer, out, max_tokens=args.max_tokens, model=model.name, progress=True)
+    print(f"datastore: {built.path} ({built.store.info.tokens:,} tokens from {built.files} files, "
+          f"{built.skipped} skipped; {built.path.stat().st_size / 1e6:.1f} MB; built in {built.seconds:.1f} s)")
+    return 0
+
+
+def cmd_datastore_info(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from specdraft.datastore import FORMAT_VERSION, load
+
+    store = load(args.file)
+    print(f"file: {args.file}\nformat: {FORMAT_VERSION}\nsize: {store.nbytes:,} bytes")
+    for key, value in asdict(store.info).items():
+        print(f"{key}: {value}")
+    return 0
 
 
 def _set_threads(n: int | None) -> None:
