@@ -24,3 +24,7 @@ class ContextOverflowError(SpecdraftError):
 
 class SamplingError(SpecdraftError):
     """Invalid sampling settings."""
+
+
+class VocabularyMismatchError(SpecdraftError):
+    """A draft model whose vocabulary or special tokens differ from the target's."""

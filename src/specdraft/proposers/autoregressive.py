@@ -1,0 +1,147 @@
+"""Chain drafting with a small causal model, shared by the draft-model and layer-skip proposers.
+
+A *drafter* is a model run on a KV cache of its own kind: a separate draft model on its own
+cache, or the target's first layers on the target's cache. Each proposer first brings its
+drafter to the same point: the drafter's logits after every drafting row's root token (the
+last committed token), with the cache holding the row's context up to and including the root.
+:func:`draft_chains` takes it from there, one forward per draft level for all rows at once:
+
+- a row with budget n and ``branches`` b drafts min(b, n) candidates at the first position
+  and continues the first of them as a chain, n nodes in all (b = 1: a plain chain);
+- greedy rows take the drafter's top tokens (deterministic: ``p_draft`` None);
+- sampled rows draw every token from ``probabilities(drafter logits, row sampling)`` with the
+  row's generator (first-position candidates are independent draws) and record that
+  distribution as the node's ``p_draft`` row, padded to the target's vocabulary width.
+
+The chain's nodes come first in the draft (node i at depth i + 1), the other first-position
+candidates after them, so the KV the drafter wrote for the chain (all but its last node) sits
+right after the root in the cache, in node order: ``Drafted.fed`` says how many nodes that is.
+Rows that do not draft, or stop earlier, are fed a dummy token: their extra positions are
+scratch for the caller to roll back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from specdraft.draft import Draft
+from specdraft.model.kv_cache import KVCache
+from specdraft.model.transformer import Transformer
+from specdraft.sampling import probabilities
+from specdraft.sequence import Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class Drafter:
+    """A model and the cache it drafts on; ``num_layers`` None = the whole model."""
+
+    model: Transformer
+    cache: KVCache
+    num_layers: int | None = None
+
+    def step(self, tokens: list[int]) -> Tensor:
+        """Feed one token per row at that row's cache length; the logits after it: [B, V]."""
+        device = self.model.device
+        fed = torch.tensor(tokens, dtype=torch.long, device=device)[:, None]  # [B, 1]
+        positions = self.cache.lengths_tensor()[:, None]  # [B, 1]
+        out = self.model(fed, positions, self.cache, num_layers=self.num_layers)
+        return out.logits[:, -1]  # [B, V]
+
+
+@dataclass(frozen=True, slots=True)
+class Drafted:
+    drafts: list[Draft]  # one per row (empty for rows that do not draft)
+    fed: list[int]  # per row: draft nodes 0..fed-1 (the chain) were fed after the root, in order
+
+
+@dataclass(slots=True)
+class _Row:
+    """One row's draft while it grows: the chain, then the other first-position candidates."""
+
+    greedy: bool
+    depth: int  # chain length
+    branches: int  # candidates at the first position (the chain's first node included)
+    chain: list[int]
+    extra: list[int]
+    p_chain: list[Tensor]  # [V_draft] each (sampled rows)
+    p_extra: list[Tensor]
+
+    def draft(self, vocab: int) -> Draft:
+        tokens = (*self.chain, *self.extra)
+        parents = (*range(-1, self.depth - 1), *(-1,) * len(self.extra))
+        if self.greedy:
+            return Draft(tokens, parents)
+        p_draft = torch.stack([*self.p_chain, *self.p_extra])  # [N, V_draft]
+        return Draft(tokens, parents, F.pad(p_draft, (0, vocab - p_draft.shape[-1])))  # [N, V]
+
+
+def plan_rows(seqs: Seq[Sequence | None], budgets: Seq[int], branches: int) -> list[_Row | None]:
+    """What each row drafts: None for rows that do not draft."""
+    rows: list[_Row | None] = []
+    for seq, budget in zip(seqs, budgets):
+        if seq is None or budget <= 0:
+            rows.append(None)
+            continue
+        b = min(branches, budget)
+        rows.append(_Row(seq.sampling.greedy, budget - b + 1, b, [], [], [], []))
+    return rows
+
+
+def draft_chains(
+    drafter: Drafter, root_logits: Tensor, seqs: Seq[Sequence | None], budgets: Seq[int], branches: int, vocab: int
+) -> Drafted:
+    """Draft every row's chain (see the module doc). root_logits: [B, V_draft], the drafter's
+    logits after each row's root. ``vocab``: the target's logits width (for ``p_draft``)."""
+    rows = plan_rows(seqs, budgets, branches)
+    depth = max((r.depth for r in rows if r is not None), default=0)
+    if depth:
+        _first_level(rows, seqs, root_logits)
+    for level in range(1, depth):
+        fed = [r.chain[-1] if r is not None and r.depth > level else 0 for r in rows]
+        _next_level(rows, seqs, drafter.step(fed), level)
+    drafts = [r.draft(vocab) if r is not None else Draft.empty() for r in rows]
+    return Drafted(drafts, [r.depth - 1 if r is not None else 0 for r in rows])
+
+
+def _first_level(rows: list[_Row | None], seqs: Seq[Sequence | None], logits: Tensor) -> None:
+    """The first position: top candidates (greedy) or independent draws (sampled)."""
+    widest = max(r.branches for r in rows if r is not None)
+    top = logits.topk(widest, dim=-1).indices.tolist()  # [B, widest]
+    for i, (row, seq) in enumerate(zip(rows, seqs)):
+        if row is None or seq is None:
+            continue
+        if row.greedy:
+            tokens = top[i][: row.branches]
+        else:
+            p = probabilities(logits[i], seq.sampling)  # [V_draft]
+            tokens = torch.multinomial(p, row.branches, replacement=True, generator=seq.generator).tolist()
+            row.p_chain.append(p)
+            row.p_extra.extend([p] * (row.branches - 1))
+        row.chain.append(tokens[0])
+        row.extra.extend(tokens[1:])
+
+
+def _next_level(rows: list[_Row | None], seqs: Seq[Sequence | None], logits: Tensor, level: int) -> None:
+    """Chain node ``level`` (0-based) from the logits after node ``level - 1``: [B, V_draft]."""
+    argmax = logits.argmax(-1).tolist()  # [B]
+    for i, (row, seq) in enumerate(zip(rows, seqs)):
+        if row is None or seq is None or row.depth <= level:
+            continue
+        if row.greedy:
+            row.chain.append(argmax[i])
+            continue
+        p = probabilities(logits[i], seq.sampling)  # [V_draft]
+        row.chain.append(int(torch.multinomial(p, 1, generator=seq.generator)))
+        row.p_chain.append(p)
+
+
+def kept_on_chain(path: tuple[int, ...], fed: int) -> int:
+    """How many of the fed chain nodes (0..fed-1) an accepted path keeps."""
+    if not path or path[0] != 0:
+        return 0
+    return min(len(path), fed)

@@ -1,0 +1,213 @@
+"""Draft-model proposer: a smaller model with the target's vocabulary drafts a chain.
+
+The draft model keeps its own KV cache, one row per engine row. Its row ``r`` holds the keys
+and values of a prefix of that row's ``seq.tokens``. At each ``propose``:
+
+1. catch up: feed the tokens the draft has not seen (a row's whole prompt the first time;
+   afterwards the accepted drafts whose KV it dropped and the bonus token), all drafting rows
+   in one right-padded, ragged batch (in chunks, like the engine's prefill), keeping each row's
+   real tokens only;
+2. draft the chains, one forward per level for all rows (:mod:`.autoregressive`).
+
+``observe`` rolls the row back to its context plus the drafted tokens that were accepted; the
+next catch-up feeds the rest. The cache is allocated at the first ``propose`` of a batch
+(re-allocated, and every row re-prefilled, if a later batch needs more rows or positions).
+
+A draft whose context is shorter than a request needs stops drafting for that request (the
+budget is clamped; output is unchanged, only speculation stops).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from specdraft.accept import Acceptance
+from specdraft.draft import Draft
+from specdraft.errors import SpecdraftError, VocabularyMismatchError
+from specdraft.model.kv_cache import KVCache
+from specdraft.model.linear import Linear
+from specdraft.model.loader import LoadedModel, load
+from specdraft.model.transformer import Transformer
+from specdraft.proposers.autoregressive import Drafter, draft_chains, kept_on_chain
+from specdraft.proposers.base import ProposerContext, Verified
+from specdraft.sequence import Sequence
+
+DRAFT_DTYPES = ("float32", "bfloat16", "float16")
+CATCH_UP_CHUNK = 512  # tokens per forward when catching up (as the engine's prefill chunks)
+
+
+@dataclass(frozen=True, slots=True)
+class DraftModelConfig:
+    """path: the draft model, a GGUF file or a Hugging Face folder with the target's vocabulary
+    (required). dtype: the draft's weights and cache (float32, bfloat16 or float16; its
+    precision does not affect the output). branches: candidates at the first draft position
+    (1 = a chain; b > 1 = a tree whose first candidate continues as the chain)."""
+
+    path: str = ""
+    dtype: str = "float32"
+    branches: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise SpecdraftError("method 'draft' needs a draft model: pass --opt path=DRAFT.gguf (or a Hugging Face folder)")
+        if self.dtype not in DRAFT_DTYPES:
+            raise SpecdraftError(f"draft: dtype must be one of {', '.join(DRAFT_DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.branches, int) or not 1 <= self.branches <= 16:
+            raise SpecdraftError(f"draft: branches must be in 1..16, got {self.branches!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """A row's draft cache between propose and observe: root_len positions of context (the
+    root included), then ``fed`` chain nodes."""
+
+    root_len: int
+    fed: int
+
+
+class DraftModelProposer:
+    name = "draft"
+
+    def __init__(self, draft: Transformer, vocab: int, branches: int = 1, max_draft: int = 8) -> None:
+        """draft: the draft model; vocab: the target's logits width; max_draft: the longest draft
+        the policy asks for (sizes the cache)."""
+        if draft.config.vocab_size > vocab:
+            raise VocabularyMismatchError(
+                f"the draft model has {draft.config.vocab_size} logits, more than the target's {vocab}"
+            )
+        self.draft = draft
+        self.vocab = vocab
+        self.branches = branches
+        self.max_draft = max_draft
+        self.cache: KVCache | None = None
+        self.pending: dict[int, _Pending] = {}
+
+    # -- rows ---------------------------------------------------------------------------------
+    def begin(self, row: int, seq: Sequence) -> None:
+        self._reset_row(row)
+
+    def end(self, row: int) -> None:
+        self._reset_row(row)
+
+    def _reset_row(self, row: int) -> None:
+        self.pending.pop(row, None)
+        if self.cache is not None and row < self.cache.batch_size:
+            self._set_length(row, 0)
+
+    def _set_length(self, row: int, length: int) -> None:
+        assert self.cache is not None
+        lengths = list(self.cache.lengths)
+        lengths[row] = length
+        self.cache.truncate(lengths)
+
+    # -- drafting -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, seqs: Seq[Sequence | None], budgets: Seq[int], cache: KVCache) -> list[Draft]:
+        if not any(s is not None and b > 0 for s, b in zip(seqs, budgets)):
+            return [Draft.empty() for _ in seqs]
+        cache_d = self._cache_for(seqs)
+        budgets = [min(b, cache_d.capacity - len(s.tokens)) if s is not None else 0 for s, b in zip(seqs, budgets)]
+        active = [s if b > 0 else None for s, b in zip(seqs, budgets)]
+        root_logits, caught_up = self._catch_up(cache_d, active)  # [B, V_draft]
+        active = [s if ok else None for s, ok in zip(active, caught_up)]
+        room = cache_d.capacity - max(cache_d.lengths)  # positions the level forwards may append
+        budgets = [min(b, room + 1) for b in budgets]
+        root_len = list(cache_d.lengths)
+        drafted = draft_chains(Drafter(self.draft, cache_d), root_logits, active, budgets, self.branches, self.vocab)
+        cache_d.truncate([n + fed for n, fed in zip(root_len, drafted.fed)])
+        self.pending = {r: _Pending(root_len[r], drafted.fed[r]) for r, s in enumerate(active) if s is not None}
+        return drafted.drafts
+
+    def _cache_for(self, seqs: Seq[Sequence | None]) -> KVCache:
+        """The draft cache, (re)allocated when the batch needs more rows or positions."""
+        longest = max((s.capacity for s in seqs if s is not None), default=0)
+        needed = min(self.draft.config.max_context, longest + self.max_draft + 1)
+        c = self.cache
+        if c is None or c.batch_size != len(seqs) or c.capacity < needed:
+            self.cache = self.draft.new_cache(len(seqs), needed)
+            self.pending.clear()
+        assert self.cache is not None
+        return self.cache
+
+    def _catch_up(self, cache: KVCache, seqs: Seq[Sequence | None]) -> tuple[Tensor, list[bool]]:
+        """Feed each drafting row's unseen tokens (its root last), right-padded, in chunks.
+        Returns the logits after each root [B, V_draft] and which rows got there."""
+        lengths = list(cache.lengths)
+        for r, s in enumerate(seqs):  # a row must feed at least its root
+            if s is not None:
+                lengths[r] = min(lengths[r], len(s.tokens) - 1)
+        cache.truncate(lengths)
+        todo = [s.tokens[n:] if s is not None else [] for s, n in zip(seqs, lengths)]
+        hidden = torch.zeros(len(seqs), self.draft.config.hidden_size, dtype=self.draft.dtype, device=self.draft.device)
+        done = [False] * len(seqs)
+        start = 0
+        while any(len(t) > start for t in todo):
+            width = min(CATCH_UP_CHUNK, max(len(t) for t in todo) - start, cache.capacity - max(cache.lengths))
+            if width < 1:
+                break
+            self._feed_chunk(cache, todo, start, width, hidden, done)
+            start += width
+        return self.draft.lm_logits(hidden), done
+
+    def _feed_chunk(self, cache: KVCache, todo: list[list[int]], start: int, width: int, hidden: Tensor,
+                    done: list[bool]) -> None:
+        """Feed tokens start..start+width of every row's backlog; note the hidden state after
+        each backlog's last token (hidden: [B, H])."""
+        device = self.draft.device
+        tokens = torch.zeros(len(todo), width, dtype=torch.long)  # [B, width]
+        for r, t in enumerate(todo):
+            part = t[start : start + width]
+            tokens[r, : len(part)] = torch.tensor(part, dtype=torch.long)
+        before = list(cache.lengths)
+        positions = cache.lengths_tensor()[:, None] + torch.arange(width, device=device)  # [B, width]
+        out = self.draft(tokens.to(device), positions, cache, logits=False)
+        for r, t in enumerate(todo):
+            if start < len(t) <= start + width:
+                hidden[r] = out.last_hidden[r, len(t) - 1 - start]
+                done[r] = True
+        cache.truncate([n + max(0, min(width, len(t) - start)) for n, t in zip(before, todo)])
+
+    # -- feedback -----------------------------------------------------------------------------
+    def observe(self, row: int, draft: Draft, acceptance: Acceptance, verified: Verified) -> None:
+        """Keep the context and the accepted chain nodes; drop the rest."""
+        pending = self.pending.pop(row, None)
+        if pending is not None and self.cache is not None:
+            self._set_length(row, pending.root_len + kept_on_chain(acceptance.path, pending.fed))
+
+    def memory_bytes(self) -> int:
+        return weight_bytes(self.draft) + (self.cache.nbytes if self.cache is not None else 0)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Parameters plus the packed copies of the linear layers' weights (tied weights once)."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    packed = sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
+                 if isinstance(m, Linear) and m.packed is not None)
+    return params + packed
+
+
+def check_draft(draft: LoadedModel, context: ProposerContext) -> None:
+    """Refuse a draft model that does not share the target's vocabulary."""
+    if not context.tokenizer.same_vocabulary(draft.tokenizer):
+        raise VocabularyMismatchError(
+            f"draft model {draft.source} has a different vocabulary or special tokens than the target; "
+            "a draft must use the target's tokenizer"
+        )
+    if draft.config.vocab_size > context.target.config.vocab_size:
+        raise VocabularyMismatchError(
+            f"draft model {draft.source} has {draft.config.vocab_size} logits, "
+            f"more than the target's {context.target.config.vocab_size}"
+        )
+
+
+def make_draft_proposer(config: DraftModelConfig, context: ProposerContext | None) -> DraftModelProposer:
+    """The factory: load the draft on the target's device and check its vocabulary."""
+    if context is None:
+        raise SpecdraftError("method 'draft' needs the target model (a ProposerContext)")
+    loaded = load(config.path, dtype=config.dtype, device=context.target.device)
+    check_draft(loaded, context)
+    return DraftModelProposer(loaded.model, context.target.config.vocab_size, config.branches, context.max_draft)
