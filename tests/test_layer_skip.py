@@ -1,0 +1,120 @@
+"""Self-speculation (layer skip) on tiny random models: greedy equivalence with plain decoding
+on ragged batches (fixed and adaptive policies, L = 1 and num_layers - 1, chains and first-level trees), drafts
+equal to the early-exit model's own greedy continuation, the target cache left as found, the
+lossless property at temperature 1 through the engine (that this check catches a wrong
+p_draft is shown in test_draft_model), and bad settings refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdraft.engine import Engine
+from specdraft.errors import SpecdraftError
+from specdraft.metrics import SpecStats
+from specdraft.model.loader import LoadedModel, load
+from specdraft.model.transformer import Transformer
+from specdraft.proposers import make_proposer
+from specdraft.proposers.base import ProposerContext
+from specdraft.proposers.layer_skip import LayerSkipConfig, LayerSkipProposer
+from specdraft.sampling import Sampling
+from specdraft.sequence import GenerationConfig
+from test_accept import _engine_lossless_check, sampled_setup  # noqa: F401  (a fixture)
+from test_draft_model import Setup, engine
+from tiny_models import write_hf_model
+
+GEN = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+LAYERS = 4
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_hf: Path) -> Setup:
+    target = load(write_hf_model(tiny_hf.parent / "four-layers", seed=0, layers=LAYERS))
+    g = torch.Generator().manual_seed(4)
+    prompts = [target.tokenizer.encode("a b a b a b"), *(torch.randint(3, 320, (n,), generator=g).tolist()
+                                                        for n in (2, 23, 40))]
+    refs = [r.tokens for r in Engine(target.model, target.tokenizer).generate(prompts, GEN)]
+    return Setup(target, prompts, refs)
+
+
+def context(target: LoadedModel) -> ProposerContext:
+    return ProposerContext(target.model, target.tokenizer, max_draft=4)
+
+
+@pytest.mark.parametrize("layers", [1, LAYERS - 1])
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+@pytest.mark.parametrize("branches", [1, 2], ids=["chain", "tree"])
+def test_greedy_equals_plain(setup: Setup, layers: int, policy: str, branches: int) -> None:
+    proposer = make_proposer("layer-skip", {"layers": str(layers), "branches": str(branches)}, context(setup.target))
+    stats = SpecStats()
+    results = engine(setup.target, proposer, policy=policy).generate(setup.prompts, GEN, stats=stats)
+    for row, (r, ref) in enumerate(zip(results, setup.refs)):
+        assert r.tokens == ref, f"row {row} differs from plain decoding"
+    assert stats.proposed > 0
+
+
+def acceptance(setup: Setup, layers: int) -> float:
+    stats = SpecStats()
+    engine(setup.target, LayerSkipProposer(setup.target.model, layers)).generate(setup.prompts, GEN, stats=stats)
+    return stats.acceptance_rate
+
+
+def test_more_layers_draft_better(setup: Setup) -> None:
+    assert acceptance(setup, LAYERS - 1) > 2 * acceptance(setup, 1)
+
+
+@torch.inference_mode()
+def early_exit_greedy(model: Transformer, tokens: list[int], layers: int, n: int) -> list[int]:
+    """n greedy tokens of the model cut after ``layers`` layers (plain decoding, own cache)."""
+    cache = model.new_cache(1, len(tokens) + n)
+    out = model(torch.tensor([tokens]), torch.arange(len(tokens))[None], cache, num_layers=layers)
+    drafted: list[int] = []
+    for _ in range(n):
+        drafted.append(int(out.logits[0, -1].argmax()))
+        out = model(torch.tensor([[drafted[-1]]]), torch.tensor([[cache.lengths[0]]]), cache, num_layers=layers)
+    return drafted
+
+
+@pytest.mark.parametrize("layers", [1, LAYERS - 1])
+def test_drafts_are_the_early_exit_greedy_tokens_and_the_cache_is_untouched(setup: Setup, layers: int) -> None:
+    target = setup.target
+    eng = Engine(target.model, target.tokenizer)
+    seqs, cache = eng.start(setup.prompts, GEN, [Sampling()] * len(setup.prompts))
+    with torch.inference_mode():
+        first = eng.first_tokens(eng.prefill(seqs, cache), seqs)
+    for s, tok in zip(seqs, first):
+        s.append([tok])
+    k_before, v_before, lengths = cache.k.clone(), cache.v.clone(), list(cache.lengths)
+    budgets = [4, 0, 3, 4]
+    drafts = LayerSkipProposer(target.model, layers).propose(seqs, budgets, cache)
+    assert cache.lengths == lengths
+    for row, n in enumerate(lengths):  # the committed positions of every layer are unchanged
+        assert torch.equal(cache.k[:, row, :, :n], k_before[:, row, :, :n])
+        assert torch.equal(cache.v[:, row, :, :n], v_before[:, row, :, :n])
+    for row, (s, draft) in enumerate(zip(seqs, drafts)):
+        assert draft.p_draft is None and draft.is_chain
+        assert list(draft.tokens) == early_exit_greedy(target.model, s.tokens, layers, budgets[row])
+
+
+def test_engine_sampling_is_lossless(sampled_setup) -> None:  # noqa: F811
+    first, joint, triple, stats = _engine_lossless_check(
+        sampled_setup, proposer=lambda model, tokenizer: LayerSkipProposer(model, 1))
+    assert stats.accepted > 0.05 * 2000
+    assert not first.rejects, first
+    assert not joint.rejects, joint
+    assert not triple.rejects, triple
+
+
+def test_bad_settings_are_refused_with_one_line(setup: Setup) -> None:
+    for layers in ("0", str(LAYERS), "99"):
+        with pytest.raises(SpecdraftError, match="layers") as err:
+            make_proposer("layer-skip", {"layers": layers}, context(setup.target))
+        assert "\n" not in str(err.value)
+    with pytest.raises(SpecdraftError, match="needs the target"):
+        make_proposer("layer-skip", {}, None)
+    with pytest.raises(SpecdraftError, match="branches"):
+        LayerSkipConfig(branches=0)
+    with pytest.raises(SpecdraftError, match="layers must be"):
+        make_proposer("layer-skip", {"layers": "two"}, context(setup.target))
