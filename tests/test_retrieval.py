@@ -73,16 +73,17 @@ def corpus() -> Datastore:
 
 def test_continuations_follow_the_longest_suffix_and_stop_at_document_ends() -> None:
     store = corpus()
-    paths = store.continuations([0, 2, 3], 4, min_suffix=2, max_suffix=16, max_matches=64)
-    assert sorted(paths) == [[4, 5, 8], [4, 5, 8], [4, 6], [7]]  # "2 3" ends doc 5: no continuation
+    found = store.continuations([0, 2, 3], 4, min_suffix=2, max_suffix=16, max_matches=64)
+    assert sorted(found.paths) == [[4, 5, 8], [4, 5, 8], [4, 6], [7]]  # "2 3" ends doc 5: no continuation
+    assert (found.suffix, found.occurrences) == (2, 4)
     longer = store.continuations([9, 1, 2, 3], 4, min_suffix=2, max_suffix=16, max_matches=64)
-    assert longer == [[4, 5, 8]]  # "9 1 2 3" occurs once
-    assert store.continuations([0, 3], 4, min_suffix=3, max_suffix=16, max_matches=64) == []
-    assert len(store.continuations([2, 3], 4, min_suffix=2, max_suffix=16, max_matches=2)) == 2
+    assert (longer.suffix, longer.paths) == (4, [[4, 5, 8]])  # "9 1 2 3" occurs once
+    assert store.continuations([0, 3], 4, min_suffix=3, max_suffix=16, max_matches=64).paths == []
+    assert len(store.continuations([2, 3], 4, min_suffix=2, max_suffix=16, max_matches=2).paths) == 2
 
 
 def test_frequency_tree_puts_the_most_frequent_continuation_first() -> None:
-    paths = corpus().continuations([0, 2, 3], 4, min_suffix=2, max_suffix=16, max_matches=64)
+    paths = corpus().continuations([0, 2, 3], 4, min_suffix=2, max_suffix=16, max_matches=64).paths
     draft = frequency_tree(paths, budget=4)
     assert draft.tokens == (4, 5, 8, 7) and draft.parents == (-1, 0, 1, -1)  # 7 ties 6 but is shallower
     small = frequency_tree(paths, budget=2)
@@ -250,7 +251,7 @@ def test_rows_are_independent(tiny: LoadedModel, own_text) -> None:
     together = proposer.propose([seqs[0], None, seqs[2]], [6, 6, 6], None)
     alone = [proposer.propose([s], [6], None)[0] for s in seqs]
     assert together[0] == alone[0] and together[2] == alone[2] and together[1] == Draft.empty()
-    assert len(together[0]) == 6
+    assert len(together[0]) == 6 and together[0].label.startswith("rest")
 
 
 def test_sampling_through_the_engine_is_lossless(sampled_setup) -> None:

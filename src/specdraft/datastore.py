@@ -69,6 +69,16 @@ class DatastoreInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class Retrieved:
+    """The result of a lookup: the matched suffix length (0 = none), how many occurrences have
+    a continuation, and the continuations read (at most max_matches)."""
+
+    suffix: int
+    occurrences: int
+    paths: list[list[int]]
+
+
+@dataclass(frozen=True, slots=True)
 class Datastore:
     tokens: np.ndarray  # [n] int32 token ids, SEPARATOR after every document
     sa: np.ndarray  # [n] int32 suffix array of tokens
@@ -94,7 +104,7 @@ class Datastore:
 
     def continuations(
         self, context: Sequence[int], depth: int, *, min_suffix: int, max_suffix: int, max_matches: int
-    ) -> list[list[int]]:
+    ) -> Retrieved:
         """What followed the longest suffix of ``context`` (min_suffix..max_suffix tokens) in the
         corpus: up to ``depth`` tokens after each of at most ``max_matches`` occurrences, spread
         evenly over all of them (the suffix array groups equal continuations, so an even spread
@@ -102,22 +112,20 @@ class Datastore:
         at a document's end (first among them: the separator is the smallest id) are skipped."""
         m, lo, hi = longest_match(self.tokens, self.sa, context[-max_suffix:], min_suffix, max_suffix)
         if m == 0 or depth <= 0:
-            return []
-        at_end = find_range(self.tokens, self.sa, [*context[len(context) - m :], SEPARATOR], lo, hi)
-        lo = at_end[1]
+            return Retrieved(0, 0, [])
+        lo = find_range(self.tokens, self.sa, [*context[len(context) - m :], SEPARATOR], lo, hi)[1]
         if lo >= hi:
-            return []
+            return Retrieved(m, 0, [])
         picks = np.unique(np.linspace(lo, hi - 1, num=min(max_matches, hi - lo)).round().astype(np.int64))  # [M]
-        starts = self.sa[picks].astype(np.int64) + m  # [M]
-        idx = starts[:, None] + np.arange(depth)  # [M, depth]
+        return Retrieved(m, hi - lo, self._following(self.sa[picks].astype(np.int64) + m, depth))
+
+    def _following(self, starts: np.ndarray, depth: int) -> list[list[int]]:
+        """Up to ``depth`` tokens from each start [M], each cut at its document's end."""
         n = self.tokens.shape[0]
+        idx = starts[:, None] + np.arange(depth)  # [M, depth]
         window = np.where(idx < n, self.tokens[np.minimum(idx, n - 1)], SEPARATOR)  # [M, depth]
-        out = []
-        for row in window.tolist():
-            cut = row.index(SEPARATOR) if SEPARATOR in row else depth
-            if cut:
-                out.append(row[:cut])
-        return out
+        rows = [row[: row.index(SEPARATOR)] if SEPARATOR in row else row for row in window.tolist()]
+        return [row for row in rows if row]
 
 
 # --------------------------------------------------------------------------- tokenizer identity

@@ -43,7 +43,7 @@ class RestConfig:
             raise SpecdraftError(f"rest: max_matches must be in 1..4096, got {self.max_matches}")
 
 
-def frequency_tree(paths: Seq[Seq[int]], budget: int) -> Draft:
+def frequency_tree(paths: Seq[Seq[int]], budget: int, label: str = "") -> Draft:
     """Merge token paths into a trie where each node counts the paths through it, and keep the
     ``budget`` most frequent nodes. Ties go to the shallower node, then to the first seen; since
     a node is never more frequent than its parent, that order keeps parents before children
@@ -56,7 +56,13 @@ def frequency_tree(paths: Seq[Seq[int]], budget: int) -> Draft:
     chosen = sorted(counts, key=lambda p: (-counts[p], len(p)))[: max(budget, 0)]
     node = {prefix: i for i, prefix in enumerate(chosen)}
     parents = tuple(node[p[:-1]] if len(p) > 1 else -1 for p in chosen)
-    return Draft(tuple(p[-1] for p in chosen), parents)
+    return Draft(tuple(p[-1] for p in chosen), parents, label=label)
+
+
+def match_label(suffix: int) -> str:
+    """The draft's label for the adaptive policy: the matched suffix length, long ones pooled
+    (a few labels gather evidence faster than fifteen)."""
+    return f"rest{suffix}" if suffix < 5 else ("rest5-7" if suffix < 8 else "rest8+")
 
 
 class RestProposer:
@@ -93,9 +99,9 @@ class RestProposer:
             if seq is None or budget <= 0:
                 drafts.append(Draft.empty())
                 continue
-            paths = self.datastore.continuations(seq.tokens[-c.max_suffix :], budget, min_suffix=c.min_suffix,
+            found = self.datastore.continuations(seq.tokens[-c.max_suffix :], budget, min_suffix=c.min_suffix,
                                                  max_suffix=c.max_suffix, max_matches=c.max_matches)
-            drafts.append(frequency_tree(paths, budget))
+            drafts.append(frequency_tree(found.paths, budget, match_label(found.suffix)))
         return drafts
 
     def observe(self, row: int, draft: Draft, acceptance: Acceptance, verified: Verified) -> None:
