@@ -566,6 +566,10 @@ class Tokenizer:
         """The vocabulary as stored (byte-level tokens in their byte alphabet); index = id."""
         return list(self._tokens)
 
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (for writing a Hugging Face model folder)."""
+        return self._backend.to_str()
+
     def same_vocabulary(self, other: Tokenizer) -> bool:
         """True when ``other`` has the same tokens at the same ids and the same BOS/EOS ids."""
         return (
