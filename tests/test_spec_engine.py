@@ -708,6 +708,10 @@ def test_verify_reuses_cached_plain_outputs(tiny: Setup, tmp_path: Path) -> None
     assert first.matched_turns == second.matched_turns == 1 and not second.mismatches
     other = ReferenceCache(tmp_path, {"model": "other"})
     assert other.path != again.path and not other.entries
+    # a run started earlier sees what another run appended since (verify runs in parallel)
+    early, late = ReferenceCache(tmp_path, {"model": "x"}), ReferenceCache(tmp_path, {"model": "x"})
+    late.put([1, 2, 3], "abc", [7, 8])
+    assert early.get([1, 2, 3]) == ("abc", [7, 8]) and early.get([4]) is None
 
 
 def test_draft_up_to_depth_keeps_parents_and_p_draft() -> None:

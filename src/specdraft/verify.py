@@ -77,13 +77,23 @@ class ReferenceCache:
     def __init__(self, folder: Path | None, conditions: dict[str, Any]) -> None:
         self.path = None if folder is None else folder / "verify" / f"{_digest(conditions)[:24]}.jsonl"
         self.entries: dict[str, dict[str, Any]] = {}
-        if self.path is not None and self.path.exists():
-            for line in self.path.read_text().splitlines():
-                try:
-                    row = json.loads(line)
-                    self.entries[row["key"]] = row
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    continue  # a torn last line from an interrupted run: recomputed
+        self.read_to = 0  # bytes of the file already read (other runs may append meanwhile)
+        self._read_new()
+
+    def _read_new(self) -> None:
+        if self.path is None or not self.path.exists():
+            return
+        with self.path.open("rb") as f:
+            f.seek(self.read_to)
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # a line still being written is read next time
+        self.read_to += end
+        for line in data[:end].decode(errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+                self.entries[row["key"]] = row
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue  # a torn line from an interrupted run: recomputed
 
     @classmethod
     def for_run(cls, cfg: "VerifyConfig", source: Path, device: str) -> "ReferenceCache":
@@ -99,7 +109,10 @@ class ReferenceCache:
         return cls(folder, conditions)
 
     def get(self, ids: list[int]) -> tuple[str, list[int]] | None:
-        row = self.entries.get(_digest(ids))
+        key = _digest(ids)
+        if key not in self.entries:
+            self._read_new()  # another run may have computed it since
+        row = self.entries.get(key)
         return None if row is None else (row["text"], row["tokens"])
 
     def put(self, ids: list[int], text: str, tokens: list[int]) -> None:
@@ -107,8 +120,9 @@ class ReferenceCache:
         self.entries[key] = {"key": key, "text": text, "tokens": tokens}
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self.path.open("a") as f:
-                f.write(json.dumps(self.entries[key]) + "\n")
+            with self.path.open("ab") as f:
+                torn = f.tell() > 0 and self.path.read_bytes()[-1:] != b"\n"  # an interrupted line
+                f.write((b"\n" if torn else b"") + json.dumps(self.entries[key]).encode() + b"\n")
 
 
 def _digest(value: Any) -> str:
