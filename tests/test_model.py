@@ -483,3 +483,60 @@ def test_packed_linear_follows_weight_changes_and_copies() -> None:
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
         torch.testing.assert_close(clone(x), F.linear(x, lin.weight, lin.bias))
     assert clone.packed is not None
+
+
+# =========================================================================== batch-invariant numerics
+
+
+@pytest.fixture(scope="module")
+def long_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model with head_dim 64 and a 1024-token context (fused attention kernels change
+    their blocking past 512 keys)."""
+    return write_hf_model(tmp_path_factory.mktemp("long") / "tiny-long", "llama", seed=2, hidden=128, heads=2,
+                          kv_heads=1, max_position=1024)
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def invariant(request: pytest.FixtureRequest, long_tiny: Path) -> Transformer:
+    config, weights = load_hf(long_tiny)
+    return build_transformer(config, weights, dtype=request.param, batch_invariant=True)
+
+
+def _one_by_one(model: Transformer, prefix: torch.Tensor, tokens: list[int]) -> list[torch.Tensor]:
+    cache = model.new_cache(1, 600)
+    model(prefix, torch.arange(prefix.shape[1])[None], cache)
+    out = []
+    for i, tok in enumerate(tokens):
+        pos = prefix.shape[1] + i
+        out.append(model(torch.tensor([[tok]]), torch.tensor([[pos]]), cache).logits[0, 0])
+    return out
+
+
+@torch.inference_mode()  # as the engine runs (packed linears are for inference only)
+def test_batch_invariant_tokens_are_bit_identical_to_one_token_steps(invariant: Transformer) -> None:
+    """Verifying a chain or a tree, or decoding in a ragged batch, gives each token exactly the
+    bits a one-token step gives it (not merely close)."""
+    m, v = invariant, invariant.config.vocab_size
+    prefix = random_tokens(1, 530, v, seed=3)  # long enough for the fused kernels to block the keys
+    chain = random_tokens(1, 9, v, seed=4)[0].tolist()
+    steps = _one_by_one(m, prefix, chain)
+    cache = m.new_cache(1, 600)
+    m(prefix, torch.arange(530)[None], cache)
+    together = m(torch.tensor([chain]), (530 + torch.arange(9))[None], cache).logits[0]  # [9, V]
+    for i in range(9):
+        assert torch.equal(together[i], steps[i]), f"chain token {i}"
+    parents = [-1, 0, -1, 2, 1]  # a tree: node 4's path is 0 -> 1 -> 4
+    cache.truncate(530)
+    nodes = [chain[0], chain[1], 7, 8, chain[2]]
+    depth = torch.tensor([[0, 1, 0, 1, 2]])
+    tree = m(torch.tensor([nodes]), 530 + depth, cache, mask=tree_mask(parents)[None]).logits[0]
+    for node, i in ((0, 0), (1, 1), (4, 2)):
+        assert torch.equal(tree[node], steps[i]), f"tree node {node}"
+    # a ragged batch: row 1 decodes next to a longer row 0, and equals decoding alone
+    batch = m.new_cache(2, 600)
+    other = random_tokens(1, 560, v, seed=5)
+    m(torch.cat([other, torch.cat([prefix, torch.zeros(1, 30, dtype=torch.long)], 1)]),
+      torch.arange(560).expand(2, 560), batch)
+    batch.truncate([560, 530])
+    both = m(torch.tensor([[1], [chain[0]]]), torch.tensor([[560], [530]]), batch).logits
+    assert torch.equal(both[1, 0], steps[0])

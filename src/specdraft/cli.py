@@ -19,6 +19,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="compute dtype; float32 (default) is exact enough for byte-identical "
                         "speculative output, bfloat16 is about 2x faster on CPUs with bf16 support")
     g.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="compute each token exactly as a one-token step would (attention per query): "
+                        "speculative output equals plain output in bfloat16 too, at some speed cost")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
 
 
@@ -244,6 +247,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                       batch_sizes=_int_list(args.batch_sizes, "--batch-sizes"), max_new_tokens=args.max_new_tokens,
                       samples=args.samples, repeats=args.repeats, temperature=args.temperature, seed=args.seed,
                       model=args.model, dtype=args.dtype, device=args.device, out=args.out,
+                      batch_invariant=args.batch_invariant,
                       peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()))
     results = run_bench(cfg)
     path = write_report(Path(cfg.out), results)
@@ -279,6 +283,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     cfg = VerifyConfig(method=args.method, prompts=tuple(args.prompts), limit=args.limit,
                        max_new_tokens=args.max_new_tokens, k=args.k, policy=args.policy,
                        options=tuple(_options(args.opt).items()), model=args.model, dtype=args.dtype,
+                       batch_invariant=args.batch_invariant,
                        device=args.device, out=args.out)
     report = run_verify(cfg)
     return 1 if report.mismatches else 0
@@ -296,7 +301,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _set_threads(args.threads)
     options = _options(args.opt)
     t0 = time.perf_counter()
-    loaded = load(args.model, dtype=args.dtype, device=args.device)
+    loaded = load(args.model, dtype=args.dtype, device=args.device, batch_invariant=args.batch_invariant)
     load_s = time.perf_counter() - t0
     engine = build_engine(loaded, args.method, k=args.k, policy=args.policy, options=options)
     tok = loaded.tokenizer

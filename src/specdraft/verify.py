@@ -42,6 +42,7 @@ class VerifyConfig:
     options: tuple[tuple[str, str], ...] = ()
     model: str | None = None
     dtype: str = "float32"
+    batch_invariant: bool = False  # see Transformer: exact in any dtype, slower
     device: str = "cpu"
     out: str | None = None
 
@@ -104,6 +105,7 @@ class ReferenceCache:
         st = source.stat() if source.is_file() else None
         conditions = {"model": str(source.resolve()), "size": st.st_size if st else None,
                       "mtime": st.st_mtime_ns if st else None, "dtype": cfg.dtype, "device": device,
+                      "batch_invariant": cfg.batch_invariant,
                       "threads": torch.get_num_threads(), "torch": torch.__version__,
                       "max_new_tokens": cfg.max_new_tokens}
         return cls(folder, conditions)
@@ -173,7 +175,7 @@ def _plain_output(plain: Engine, ids: list[int], gen: GenerationConfig,
 
 
 def run_verify(cfg: VerifyConfig) -> VerifyReport:
-    loaded = load(cfg.model, dtype=cfg.dtype, device=cfg.device)
+    loaded = load(cfg.model, dtype=cfg.dtype, device=cfg.device, batch_invariant=cfg.batch_invariant)
     plain = build_engine(loaded, "plain")
     spec = build_engine(loaded, cfg.method, k=cfg.k, policy=cfg.policy, options=dict(cfg.options))
     gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens)
@@ -202,7 +204,7 @@ def run_verify(cfg: VerifyConfig) -> VerifyReport:
 
 def format_report(cfg: VerifyConfig, r: VerifyReport) -> str:
     lines = [
-        f"method {cfg.method} ({cfg.dtype}, k={cfg.k}, policy {cfg.policy}), greedy, {cfg.max_new_tokens} new tokens per turn",
+        f"method {cfg.method} ({cfg.dtype}{', batch-invariant' if cfg.batch_invariant else ''}, k={cfg.k}, policy {cfg.policy}), greedy, {cfg.max_new_tokens} new tokens per turn",
         f"prompts: {r.prompts} ({r.truncated_prompts} cut to fit the context), turns compared: {r.turns}",
         f"identical: {r.prompts - len(r.mismatches)}/{r.prompts} prompts; mismatch rate {r.mismatch_rate:.1%}",
         f"speculation: tau {r.stats.tau:.2f}, acceptance {r.stats.acceptance_rate:.1%}",

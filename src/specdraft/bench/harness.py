@@ -83,6 +83,7 @@ class BenchConfig:
     seed: int = 0
     model: str | None = None
     dtype: str = "float32"
+    batch_invariant: bool = False  # see Transformer: exact in any dtype, slower
     device: str = "cpu"
     out: str = "runs/bench"
     peers: tuple[str, ...] = ()  # "transformers", "llamacpp": measured at batch 1, skipped with a note if missing
@@ -183,7 +184,7 @@ def run_config(engine: Engine, groups: list[list[Request]], gen: GenerationConfi
 
 
 def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
-    loaded = load(cfg.model, dtype=cfg.dtype, device=cfg.device)
+    loaded = load(cfg.model, dtype=cfg.dtype, device=cfg.device, batch_invariant=cfg.batch_invariant)
     gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens)
     max_k = max((m.k for m in cfg.methods), default=0)
     max_prompt = loaded.config.max_context - cfg.max_new_tokens - max_k - 2

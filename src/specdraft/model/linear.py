@@ -8,6 +8,10 @@ token, although both are memory-bound. oneDNN with a pre-packed (blocked) weight
 - float32: 1 row -> the default path (fastest for a matrix-vector product); more rows -> packed;
 - bfloat16 / float16: always packed (bit-identical to the default path, measured).
 
+A batch-invariant model packs with ``single_rows=True``: one row then takes the packed path
+too, so that a row's result never depends on how many rows share the product (oneDNN's
+packed kernels give every row the same bits whatever the row count, measured here).
+
 The packed copy costs the weight's memory again; ``pack()`` is opt-out (``pack_weights=False``
 when loading). Training and autograd always use the plain weight. A weight changed after
 packing (in place or replaced) is repacked on the next call; deep copies repack themselves.
@@ -38,12 +42,14 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.packed = None
         self._packed_key = None
+        self.single_rows = False  # use the packed path for one row too (batch-invariant models)
 
     def _weight_key(self) -> tuple[int, int, torch.dtype]:
         return (self.weight.data_ptr(), self.weight._version, self.weight.dtype)
 
-    def pack(self) -> None:
+    def pack(self, single_rows: bool = False) -> None:
         """Make the packed copy (CPU only; a no-op where oneDNN is missing)."""
+        self.single_rows = single_rows
         packable = self.weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
         if self.weight.device.type != "cpu" or not packable or not onednn_available():
             self.unpack()
@@ -62,18 +68,17 @@ class Linear(nn.Linear):
         clone.bias = copy.deepcopy(self.bias, memo)
         clone.train(self.training)
         if self.packed is not None:
-            clone.pack()
+            clone.pack(self.single_rows)
         return clone
 
     def forward(self, x: Tensor) -> Tensor:  # x: [..., in] -> [..., out]
         if self.packed is not None and not torch.is_grad_enabled() and self._use_packed(x):
             if self._packed_key != self._weight_key():
-                self.pack()
+                self.pack(self.single_rows)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
-    @staticmethod
-    def _use_packed(x: Tensor) -> bool:
-        if x.dtype != torch.float32:
+    def _use_packed(self, x: Tensor) -> bool:
+        if x.dtype != torch.float32 or self.single_rows:
             return True
         return x.numel() // x.shape[-1] > 1

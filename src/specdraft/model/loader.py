@@ -73,8 +73,10 @@ def load(
     *,
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
+    batch_invariant: bool = False,
 ) -> LoadedModel:
-    """Load a model and its tokenizer. ``path`` None = the embedded default model."""
+    """Load a model and its tokenizer. ``path`` None = the embedded default model.
+    batch_invariant: see ``Transformer`` (exact speculative output in any dtype, slower)."""
     source = default_model_path() if path is None else Path(path).expanduser()
     torch_dtype = resolve_dtype(dtype)
     device = resolve_device(device)
@@ -92,7 +94,7 @@ def load(
         tokenizer = Tokenizer.from_gguf(reader)
     else:
         raise ModelFileError(f"model not found: {source} (give a .gguf file or a Hugging Face model folder)")
-    model = build_transformer(config, weights, dtype=torch_dtype, device=device)
+    model = build_transformer(config, weights, dtype=torch_dtype, device=device, batch_invariant=batch_invariant)
     return LoadedModel(model=model, tokenizer=tokenizer, source=source)
 
 
@@ -103,10 +105,11 @@ def build_transformer(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     pack_weights: bool = True,
+    batch_invariant: bool = False,
 ) -> Transformer:
     """Build the decoder from Hugging Face-named weights, fusing q/k/v and gate/up."""
     with torch.device("meta"):
-        model = Transformer(config)
+        model = Transformer(config, batch_invariant=batch_invariant)
     state = fused_state_dict(config, weights)
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_embeddings:

@@ -54,15 +54,18 @@ class Block(nn.Module):
         self.w_down = Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache, layer: int
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache, layer: int,
+        plan: "KeyPlan | None" = None,
     ) -> Tensor:
-        """x: [B, T, H]; cos, sin: [B, T, 1, D]; mask: [B, 1, G*T, S] bool (True = attend) or None."""
-        x = x + self.attention(self.attn_norm(x), cos, sin, mask, cache, layer)
+        """x: [B, T, H]; cos, sin: [B, T, 1, D]; mask: [B, 1, G*T, S] bool (True = attend) or None;
+        plan: per-query key selections for batch-invariant attention (None = one fused call)."""
+        x = x + self.attention(self.attn_norm(x), cos, sin, mask, cache, layer, plan)
         gate, up = self.w_gate_up(self.ffn_norm(x)).chunk(2, dim=-1)
         return x + self.w_down(F.silu(gate) * up)
 
     def attention(
-        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache, layer: int
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache, layer: int,
+        plan: "KeyPlan | None" = None,
     ) -> Tensor:
         c = self.c
         b, t, _ = x.shape
@@ -73,7 +76,10 @@ class Block(nn.Module):
         k = qk[:, :, hq:].transpose(1, 2)  # [B, Hkv, T, D]
         v = qkv[:, :, hq + hkv :].transpose(1, 2)  # [B, Hkv, T, D]
         keys, values = cache.write(layer, k, v)  # [B, Hkv, S, D]
-        out = grouped_attention(q, keys, values, mask, c.group_size)  # [B, Hq, T, D]
+        if plan is None:
+            out = grouped_attention(q, keys, values, mask, c.group_size)  # [B, Hq, T, D]
+        else:
+            out = invariant_attention(q, keys, values, plan, c.group_size)  # [B, Hq, T, D]
         return self.wo(out.transpose(1, 2).reshape(b, t, hq * c.head_dim))
 
 
@@ -90,10 +96,54 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, grou
     return out.view(b, hq, t, d)
 
 
+# For each row, for each new token: the keys it sees, as a count (the first n positions, the
+# common case) or an index tensor [n] (a tree node: the prefix and its ancestors, in order).
+KeyPlan = list[list["int | Tensor"]]
+
+
+def invariant_attention(q: Tensor, k: Tensor, v: Tensor, plan: KeyPlan, group: int) -> Tensor:
+    """Attention computed one query token at a time, each with exactly the call a one-token
+    decoding step makes (its visible keys, no mask), so that a token's result does not depend
+    on how many tokens or rows share the forward. Fused SDPA kernels pick their blocking from
+    the query count and mask, which changes the rounding (enough to flip greedy choices in
+    bfloat16 after a few dozen tokens).
+
+    q: [B, Hq, T, D]; k, v: [B, Hkv, S, D]. Returns [B, Hq, T, D]."""
+    out = torch.empty_like(q)
+    for b, row in enumerate(plan):
+        for t, sel in enumerate(row):
+            kb = k[b : b + 1, :, :sel] if isinstance(sel, int) else k[b : b + 1, :, sel]  # [1, Hkv, n, D]
+            vb = v[b : b + 1, :, :sel] if isinstance(sel, int) else v[b : b + 1, :, sel]
+            qt = q[b : b + 1, :, t : t + 1].contiguous()  # [1, Hq, 1, D], laid out as a one-token step
+            out[b : b + 1, :, t : t + 1] = grouped_attention(qt, kb, vb, None, group)
+    return out
+
+
+def key_plan(lengths: list[int], t: int, full_mask: Tensor | None) -> KeyPlan:
+    """The keys each new token sees, from the committed lengths and the [B, 1, 1, T, S] mask
+    (None = every row sees all its keys)."""
+    if full_mask is None:
+        return [[n + t] * t for n in lengths]
+    plan: KeyPlan = []
+    for b, n in enumerate(lengths):
+        row: list[int | Tensor] = []
+        for i in range(t):
+            idx = full_mask[b, 0, 0, i].nonzero().flatten()  # [n_visible]
+            count = idx.numel()
+            contiguous = count == 0 or int(idx[-1]) == count - 1
+            row.append(count if contiguous else idx)
+        plan.append(row)
+    return plan
+
+
 class Transformer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, batch_invariant: bool = False) -> None:
+        """batch_invariant: compute every token exactly as a one-token step would (attention one
+        query at a time, packed linears for single rows too), so speculative verification and
+        batching cannot change a greedy choice in any dtype, at some speed cost."""
         super().__init__()
         self.config = config
+        self.batch_invariant = batch_invariant
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -108,7 +158,7 @@ class Transformer(nn.Module):
         """Make (or drop) the oneDNN-packed weight copies used for CPU inference."""
         for m in self.modules():
             if isinstance(m, Linear):
-                m.pack() if enable else m.unpack()
+                m.pack(single_rows=self.batch_invariant) if enable else m.unpack()
 
     @property
     def device(self) -> torch.device:
@@ -157,6 +207,7 @@ class Transformer(nn.Module):
                 f"position {int(positions.max())} is past the model's context of {c.max_position}"
             )
         full_mask = attention_mask(cache.lengths, t, mask, tokens.device)  # [B, 1, 1, T, S] | None
+        plan = key_plan(cache.lengths, t, full_mask) if self.batch_invariant else None
         if full_mask is not None:  # to SDPA's layout over the stacked query heads: [B, 1, G*T, S]
             g = c.group_size
             full_mask = full_mask.expand(b, 1, g, t, full_mask.shape[-1]).reshape(b, 1, g * t, -1)
@@ -165,7 +216,7 @@ class Transformer(nn.Module):
         x = self.embed(tokens)  # [B, T, H]
         hidden = {0: x} if 0 in return_hidden else {}
         for i in range(depth):
-            x = self.layers[i](x, cos, sin, full_mask, cache, i)
+            x = self.layers[i](x, cos, sin, full_mask, cache, i, plan)
             if i + 1 in return_hidden:
                 hidden[i + 1] = x
         cache.advance(t)
