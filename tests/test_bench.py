@@ -580,3 +580,26 @@ def test_method_spec_parse_errors(text, needle):
     with pytest.raises(SpecdraftError, match=needle) as e:
         MethodSpec.parse(text)
     assert "\n" not in str(e.value)
+
+
+def test_quick_methods_cover_every_method_and_prepare_their_files(tiny_gguf, tmp_path, monkeypatch):
+    from specdraft.bench.quick import quick_methods
+    from specdraft.corpus import CorpusSpec
+    from specdraft.proposers import method_names
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SPECDRAFT_DATASTORES", str(tmp_path / "stores"))
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.py").write_text("def add(a, b):\n    return a + b\n" * 20)
+    logged: list[str] = []
+    specs = quick_methods(str(tiny_gguf), logged.append, CorpusSpec(paths=(str(corpus),)))
+    assert {s.split(":")[0] for s in specs} == set(method_names()) - {"plain"}
+    draft = next(s for s in specs if s.startswith("draft:"))
+    assert (tmp_path / draft.split("path=")[1] / "config.json").exists()
+    assert len(list((tmp_path / "stores").iterdir())) == 1
+    assert len(logged) == 2  # one export, one build ...
+    quick_methods(str(tiny_gguf), logged.append, CorpusSpec(paths=(str(corpus),)))
+    assert len(logged) == 2  # ... and both are reused the next time
+    specs = [MethodSpec.parse(s) for s in specs]  # every spec parses
+    assert all(isinstance(s, MethodSpec) for s in specs)

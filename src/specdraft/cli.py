@@ -228,12 +228,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from specdraft.bench.harness import BenchConfig, MethodSpec, run_bench
     from specdraft.bench.report import write_report
 
-    from specdraft.proposers import method_names
     from specdraft.workloads import WORKLOADS
 
     _set_threads(args.threads)
     if args.quick:
-        preset = {"methods": ",".join(m for m in method_names() if m != "plain"),
+        from specdraft.bench.quick import quick_methods
+
+        methods = quick_methods(args.model) if args.methods is None else []
+        preset = {"methods": ",".join(m.replace(",", "+") for m in methods),
                   "workloads": ",".join(w for w in WORKLOADS if w != "long_summarization"),
                   "batch_sizes": "1,8", "max_new_tokens": 64, "samples": 2, "out": "runs/quick"}
     else:
