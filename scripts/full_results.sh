@@ -1,25 +1,24 @@
 #!/usr/bin/env bash
-# Reproduce the committed results in results/ (about 45 minutes on 2 CPU cores; run it alone:
-# other load on the machine distorts the timings). Needs `bash scripts/setup.sh --peers` for
-# the llama.cpp peer (skipped with a note otherwise).
+# Reproduce the committed benchmark results in results/ (about an hour on 2 CPU cores; run it
+# alone: other load on the machine distorts the timings). Needs `bash scripts/setup.sh --peers`
+# for the llama.cpp peer (skipped with a note otherwise). Equivalence checks (results/verify)
+# are separate: `specdraft verify --method NAME --limit 200 --out results/verify/NAME-float32.json`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SD=.venv/bin/specdraft
-mkdir -p results/verify
-# 1. byte-identical equivalence, float32, 200 prompts from every workload
-$SD verify --method ngram --limit 200 --max-new-tokens 64 --out results/verify/ngram-float32.json \
-  > results/verify/ngram-float32.txt 2>/dev/null
-# 2. runtime: plain decode vs transformers, verification cost curve
+DRAFT=runs/drafts/SmolLM2-135M-Instruct.Q4_1-l8
+ALL=summarization,rag,translation,qa,math,chat,creative,code,editing,repeat,long_summarization
+# the draft model (the target's first 8 layers as a separate model) and the stdlib datastore
+.venv/bin/python -c "from specdraft.bench.quick import ensure_truncated_draft, ensure_default_datastore as d
+ensure_truncated_draft(None, 8, print); d(None, print)"
+# 1. every method on every workload at batch 1 and 8, with the peers at batch 1 (issue 5 + 4)
+$SD bench --methods "ngram,ngram:policy=fixed+k=8,suffix,rest,lookahead,layer-skip,draft:path=$DRAFT" \
+  --workloads $ALL --batch-sizes 1,8 --samples 2 --max-new-tokens 96 --peers transformers,llamacpp \
+  --out results/bench-methods > /dev/null 2> results/bench-methods.log
+# 2. batch sweep on the mixed workload: n-gram with and without the policy (issue 4)
+$SD bench --methods "ngram,ngram:policy=fixed+k=8,ngram:policy=fixed+k=4" --workloads mixed \
+  --batch-sizes 8,32,128 --samples 128 --max-new-tokens 64 --out results/bench-batch \
+  > /dev/null 2> results/bench-batch.log
+# 3. runtime: plain decode vs transformers, verification cost curve (float32 and bfloat16)
 $SD bench-runtime --out results/runtime > results/runtime/log.txt 2>/dev/null || true
-# 3. every workload at batch 1: n-gram adaptive, fixed k=8, tree (3 branches), and the peers
-$SD bench --methods "ngram,ngram:policy=fixed+k=8,ngram:branches=3" \
-  --workloads summarization,rag,translation,qa,math,chat,creative,code,editing,repeat,long_summarization \
-  --batch-sizes 1 --samples 2 --max-new-tokens 96 --peers transformers,llamacpp --out results/bench-workloads \
-  > /dev/null 2> results/bench-workloads.log
-# 4. batch sweep on the mixed workload (batch 1 is in step 3)
-$SD bench --methods "ngram,ngram:policy=fixed+k=8" --workloads mixed --batch-sizes 8,32,128 --samples 8 \
-  --max-new-tokens 64 --out results/bench-batch > /dev/null 2> results/bench-batch.log
-# 5. bfloat16 mismatch rate
-$SD verify --method ngram --limit 30 --max-new-tokens 64 --dtype bfloat16 --out results/verify/ngram-bfloat16.json \
-  > results/verify/ngram-bfloat16.txt 2>/dev/null
 echo done
