@@ -479,6 +479,17 @@ def test_isolated_peer_rows_notes_and_crashes():
     assert note == "crashed (exit code 1) after 0 workload(s): bad job"
 
 
+def test_transformers_draft_peer_needs_the_runs_draft(tiny_hf):
+    assert "needs a draft model" in peers_mod.TransformersDraftPeer().unavailable(tiny_hf)
+    peer = peers_mod.TransformersDraftPeer(assistant=str(tiny_hf))
+    if peer.unavailable(tiny_hf) is not None:
+        pytest.skip("transformers is not installed")
+    peer.bind(tiny_hf)  # the tiny model assists itself: assisted generation must still run
+    plain = peer.run([[5, 6, 7]], 6, speculative=False)
+    spec = peer.run([[5, 6, 7]], 6, speculative=True)
+    assert plain.new_tokens == spec.new_tokens == 6
+
+
 def test_peer_availability_checks(tiny_gguf, tiny_hf, monkeypatch):
     monkeypatch.setattr(peers_mod.importlib.util, "find_spec", lambda name, *a, **k: object())  # all "installed"
     assert peers_mod.LlamaCppPeer().unavailable(tiny_gguf) is None
@@ -603,3 +614,20 @@ def test_quick_methods_cover_every_method_and_prepare_their_files(tiny_gguf, tmp
     assert len(logged) == 2  # ... and both are reused the next time
     specs = [MethodSpec.parse(s) for s in specs]  # every spec parses
     assert all(isinstance(s, MethodSpec) for s in specs)
+
+
+def test_peers_table_sets_each_peer_beside_our_matching_method():
+    from specdraft.bench.report import peers_table
+
+    def ours(method, base, speedup):
+        return {"batch": 1, "workload": "code", "method": method, "base_method": base, "speedup": speedup}
+
+    results = {"rows": [ours("ngram:policy=fixed,k=8", "ngram", 1.1), ours("ngram", "ngram", 1.4),
+                        ours("draft:path=d", "draft", 1.2)],
+               "peers": [{"peer": "llamacpp", "mode": "prompt lookup", "workload": "code", "plain_tokens_per_s": 50.0,
+                          "speculative_tokens_per_s": 60.0, "speedup": 1.2},
+                         {"peer": "transformers-draft", "mode": "draft model", "workload": "code",
+                          "plain_tokens_per_s": 20.0, "speculative_tokens_per_s": 18.0, "speedup": 0.9}]}
+    lines = peers_table(results).splitlines()
+    assert "1.40x (ngram)" in lines[2] and "prompt lookup" in lines[2]
+    assert "1.20x (draft:path=d)" in lines[3] and "0.90x" in lines[3]

@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     b.add_argument("--peers", default="",
                    help="also measure other engines at batch 1 on the same weights and prompts, each against its "
-                        "own plain decoding: transformers (prompt_lookup_num_tokens), llamacpp "
+                        "own plain decoding: transformers (prompt_lookup_num_tokens), transformers-draft "
+                        "(assistant_model = the run's draft:path=... model), llamacpp "
                         "(LlamaPromptLookupDecoding); skipped with a note when not installed")
     b.add_argument("--out", default=None, help="output folder (default: runs/bench, or runs/quick with --quick)")
     _add_model_options(b)

@@ -293,16 +293,17 @@ def run_peers(cfg: BenchConfig, loaded: LoadedModel, requests: dict[str, list[Re
             return
         rows.append(row)
         log(f"  peer {name:>12} {row['workload']:>18}: plain {row['plain_tokens_per_s']:6.1f} tok/s, "
-            f"prompt lookup {row['prompt_lookup_tokens_per_s']:6.1f} tok/s x{row['speedup']:.2f}")
+            f"{row['mode']} {row['speculative_tokens_per_s']:6.1f} tok/s x{row['speedup']:.2f}")
 
+    assistant = next((dict(m.options).get("path") for m in cfg.methods if m.method == "draft"), None)
     for name in cfg.peers:
-        log(f"peer {name}: plain and prompt lookup on {len(workloads)} workload(s)")
+        log(f"peer {name}: plain and speculative decoding on {len(workloads)} workload(s)")
         if cfg.isolate_peers:
             job = {"peer": name, "source": str(loaded.source), "workloads": workloads,
-                   "max_new_tokens": gen.max_new_tokens}
+                   "max_new_tokens": gen.max_new_tokens, "assistant": assistant}
             notes[name] = measure_isolated(job, emit)
         else:
-            measure_peer(name, loaded.source, workloads, gen.max_new_tokens, emit)
+            measure_peer(name, loaded.source, workloads, gen.max_new_tokens, emit, assistant)
             notes.setdefault(name, "ok")
         if notes[name] != "ok":
             log(f"peer {name} {notes[name]}")

@@ -1,5 +1,6 @@
 """Other engines measured in the same run, on the same weights, prompts and limits (greedy,
-batch 1): Hugging Face transformers (``prompt_lookup_num_tokens``) and llama-cpp-python
+batch 1): Hugging Face transformers (``prompt_lookup_num_tokens``; and ``assistant_model``
+with the run's own draft model, as peer ``transformers-draft``) and llama-cpp-python
 (``LlamaPromptLookupDecoding``). Each peer's speedup is over its own plain decoding, set beside
 ours. Peers are optional: a missing package is skipped with a note, never an error.
 
@@ -41,10 +42,13 @@ class Peer(Protocol):
 
 class TransformersPeer:
     name = "transformers"
+    mode = "prompt lookup"
 
-    def __init__(self, dtype: Any = None, threads: int | None = None) -> None:
+    def __init__(self, dtype: Any = None, threads: int | None = None, assistant: str | None = None) -> None:
         self._model: Any = None
+        self._assistant: Any = None
         self.dtype = dtype
+        self.assistant = assistant
 
     def unavailable(self, source: Path) -> str | None:
         for pkg in ("transformers", "accelerate") if source.suffix == ".gguf" else ("transformers",):
@@ -52,28 +56,31 @@ class TransformersPeer:
                 return f"{pkg} is not installed (pip install 'specdraft[test]')"
         return None
 
-    def _load(self, source: Path) -> Any:
-        if self._model is None:
-            import torch
-            from transformers import AutoModelForCausalLM
+    def _from(self, source: Path) -> Any:
+        import torch
+        from transformers import AutoModelForCausalLM
 
-            dtype = self.dtype or torch.float32
-            if source.is_dir():
-                self._model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype)
-            else:
-                self._model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=dtype)
-            self._model.eval()
-        return self._model
+        dtype = self.dtype or torch.float32
+        if source.is_dir():
+            model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=dtype)
+        return model.eval()
 
     def bind(self, source: Path) -> "TransformersPeer":
-        self._load(source)
+        self._model = self._from(source)
+        if self.assistant:
+            self._assistant = self._from(Path(self.assistant))
         return self
 
     def run(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, speculative: bool) -> PeerRun:
         import torch
 
         model = self._model
-        extra = {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS} if speculative else {}
+        extra: dict[str, Any] = {}
+        if speculative:
+            extra = ({"assistant_model": self._assistant} if self._assistant is not None
+                     else {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS})
         new_tokens = 0
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -85,10 +92,23 @@ class TransformersPeer:
         return PeerRun(time.perf_counter() - t0, new_tokens)
 
 
+class TransformersDraftPeer(TransformersPeer):
+    """transformers' assisted generation with the run's own draft model (``draft:path=...``)."""
+
+    name = "transformers-draft"
+    mode = "draft model"
+
+    def unavailable(self, source: Path) -> str | None:
+        if not self.assistant:
+            return "needs a draft model: add a 'draft:path=...' method to the run"
+        return super().unavailable(source)
+
+
 class LlamaCppPeer:
     name = "llama.cpp"
+    mode = "prompt lookup"
 
-    def __init__(self, threads: int | None = None) -> None:
+    def __init__(self, threads: int | None = None, assistant: str | None = None) -> None:
         self.threads = threads
         self._plain: Any = None
         self._spec: Any = None
@@ -122,14 +142,15 @@ class LlamaCppPeer:
         return PeerRun(time.perf_counter() - t0, new_tokens)
 
 
-PEERS = {"transformers": TransformersPeer, "llamacpp": LlamaCppPeer}
+PEERS = {"transformers": TransformersPeer, "transformers-draft": TransformersDraftPeer, "llamacpp": LlamaCppPeer}
 
 
 def measure_peer(name: str, source: Path, workloads: dict[str, list[list[int]]], max_new_tokens: int,
-                 emit: Callable[[dict[str, Any]], None]) -> None:
-    """Plain and prompt-lookup decoding of peer ``name`` on each workload's prompts (batch 1).
-    Emits one row per workload, or a single {"note": ...} when the peer cannot run."""
-    peer = PEERS[name]()
+                 emit: Callable[[dict[str, Any]], None], assistant: str | None = None) -> None:
+    """Plain and speculative decoding of peer ``name`` on each workload's prompts (batch 1).
+    Emits one row per workload, or a single {"note": ...} when the peer cannot run.
+    ``assistant``: the draft model for ``transformers-draft``."""
+    peer = PEERS[name](assistant=assistant)
     reason = peer.unavailable(source)
     if reason is not None:
         emit({"note": f"skipped: {reason}"})
@@ -146,10 +167,10 @@ def measure_peer(name: str, source: Path, workloads: dict[str, list[list[int]]],
         plain = peer.run(prompts, max_new_tokens, False)
         spec = peer.run(prompts, max_new_tokens, True)
         plain_tps, spec_tps = plain.new_tokens / plain.seconds, spec.new_tokens / spec.seconds
-        emit({"peer": name, "workload": w, "batch": 1, "requests": len(prompts),
-              "plain_tokens_per_s": plain_tps, "prompt_lookup_tokens_per_s": spec_tps,
+        emit({"peer": name, "mode": peer.mode, "workload": w, "batch": 1, "requests": len(prompts),
+              "plain_tokens_per_s": plain_tps, "speculative_tokens_per_s": spec_tps,
               "speedup": spec_tps / plain_tps, "plain_new_tokens": plain.new_tokens,
-              "prompt_lookup_new_tokens": spec.new_tokens})
+              "speculative_new_tokens": spec.new_tokens})
 
 
 def measure_isolated(job: dict[str, Any], emit: Callable[[dict[str, Any]], None],
@@ -188,7 +209,7 @@ def _main() -> int:
     def emit(row: dict[str, Any]) -> None:
         print(json.dumps(row), flush=True)
 
-    measure_peer(job["peer"], Path(job["source"]), workloads, int(job["max_new_tokens"]), emit)
+    measure_peer(job["peer"], Path(job["source"]), workloads, int(job["max_new_tokens"]), emit, job.get("assistant"))
     return 0
 
 

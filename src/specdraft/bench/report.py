@@ -46,16 +46,24 @@ def results_table(rows: list[dict[str, Any]]) -> str:
 
 
 def peers_table(results: dict[str, Any]) -> str:
-    """Each peer's prompt-lookup speedup over its own plain decoding, beside ours at batch 1."""
-    ours = {r["workload"]: r for r in results["rows"]
-            if r["batch"] == 1 and r["base_method"] == "ngram"}
+    """Each peer's speedup over its own plain decoding, beside ours at batch 1 with the same
+    kind of drafts (prompt lookup: our ngram method with its defaults; draft model: ours)."""
     body = []
     for p in results.get("peers", []):
-        mine = ours.get(p["workload"])
-        body.append([p["workload"], p["peer"], p["plain_tokens_per_s"], p["prompt_lookup_tokens_per_s"],
+        base = "draft" if p.get("mode") == "draft model" else "ngram"
+        mine = _our_row(results["rows"], p["workload"], base)
+        spec = p.get("speculative_tokens_per_s", p.get("prompt_lookup_tokens_per_s", 0.0))
+        body.append([p["workload"], p["peer"], p.get("mode", "prompt lookup"), p["plain_tokens_per_s"], spec,
                      f"{p['speedup']:.2f}x", f"{mine['speedup']:.2f}x ({mine['method']})" if mine else "-"])
-    return format_table(["workload", "peer", "peer plain tok/s", "peer prompt-lookup tok/s", "peer speedup",
-                         "specdraft ngram speedup"], body)
+    return format_table(["workload", "peer", "drafts", "peer plain tok/s", "peer speculative tok/s",
+                         "peer speedup", "specdraft speedup"], body)
+
+
+def _our_row(rows: list[dict[str, Any]], workload: str, base: str) -> dict[str, Any] | None:
+    """Our batch-1 row for the workload: the method named exactly ``base`` (default settings)
+    if it ran, else the first row of that method."""
+    mine = [r for r in rows if r["batch"] == 1 and r["workload"] == workload and r["base_method"] == base]
+    return next((r for r in mine if r["method"] == base), mine[0] if mine else None)
 
 
 def render(results: dict[str, Any]) -> str:
