@@ -17,8 +17,8 @@ from specdraft.draft import Draft
 from specdraft.errors import SpecdraftError
 from specdraft.metrics import SpecStats
 from specdraft.proposers import make_proposer
-from specdraft.proposers.suffix import SuffixConfig, SuffixProposer
-from specdraft.proposers.suffix_tree import ROOT, SuffixTrie
+from specdraft.proposers.suffix import SuffixConfig, SuffixProposer, merge
+from specdraft.proposers.suffix_tree import ROOT, Growth, SuffixTrie
 from test_accept import ENGINE_ROWS, _engine_lossless_check, sampled_setup  # noqa: F401 (fixture)
 from test_spec_engine import GEN, Setup, loopy, spec_engine, tiny  # noqa: F401 (fixtures)
 
@@ -300,3 +300,11 @@ def test_engine_sampling_is_lossless(sampled_setup) -> None:  # noqa: F811 (fixt
     assert not first.rejects, first
     assert not joint.rejects, joint
     assert not triple.rejects, triple
+
+
+def test_merge_shares_prefixes_best_first_within_the_budget() -> None:
+    a = Growth([1, 2, 3], [-1, 0, 1], [1.0, 1.0, 0.5], 2.5)
+    b = Growth([1, 4, 5], [-1, 0, -1], [0.5, 0.3, 0.2], 1.0)  # "1" is shared, "1 4" and "5" are new
+    assert merge([a, b], 8) == ([1, 2, 3, 4, 5], [-1, 0, 1, 0, -1])
+    assert merge([a, b], 4) == ([1, 2, 3, 4], [-1, 0, 1, 0])
+    assert merge([b, a], 2) == ([1, 4], [-1, 0])

@@ -9,14 +9,19 @@ counts (see ``suffix_tree.py``):
   and bounded by ``max_nodes``: after an output is added, the oldest outputs are removed
   (their counts subtracted, nodes that reach zero freed) until the trie fits again.
 
-Each step, in each trie, the longest suffix of the context (``min_match`` .. ``max_depth``
-tokens) that occurred before with a continuation is the *match*; from its node a draft tree
-is grown best-first by path probability (the product of the empirical probabilities
+Each step, in each trie, the suffixes of the context that occurred before with a
+continuation are *matches* (this request's trie: ``min_match`` .. ``max_depth`` tokens; the
+global one: from ``global_min_match``). From the longest match, and from up to ``matches - 1``
+shorter ones that occur more often (in a loop the longest match's only earlier occurrence may
+stop at the end of the context; a shorter one a period earlier continues further), a draft
+tree is grown best-first by path probability (the product of the empirical probabilities
 count(child) / count(continued occurrences of the parent)), stopping at the step's budget,
-at ``factor`` x the match length nodes (a short, weak match proposes little) and at path
-probability ``min_prob``. Of the two trees, the one with the higher score (the sum of its
-path probabilities: the expected number of accepted tokens) is proposed; a tie goes to the
-request's own trie. Drafts are deterministic (no p_draft).
+at ``factor`` x the match length nodes (a short match proposes little, a long one more) and
+at path probability ``min_prob``. Each tree's score is the sum of its path probabilities
+(the expected number of accepted tokens, were the counts right). The trees of both tries are
+ranked by score (ties: this request's trie, then the longer match) and merged best first
+into one draft of at most the budget (shared prefixes count once); with ``merge`` off only
+the best tree is proposed. Drafts are deterministic (no p_draft).
 
 Unlike the n-gram proposer, which copies what followed the most recent occurrence of the
 last few tokens, this uses every occurrence (counts), matches up to ``max_depth`` tokens,
@@ -40,21 +45,26 @@ from specdraft.sequence import Sequence
 
 @dataclass(frozen=True, slots=True)
 class SuffixConfig:
-    """max_depth / min_match: longest and shortest context suffix matched. factor: a draft
-    has at most factor x match length nodes. min_prob: no draft node whose path probability
-    (product of empirical next-token frequencies) is lower. matches: how many match lengths
-    (longest first) to grow a draft from; the best-scoring draft wins. use_global: also match the
-    outputs of earlier requests; max_nodes: that global trie's node cap (the oldest outputs
-    are evicted to fit)."""
+    """max_depth / min_match: longest and shortest context suffix matched in this request's
+    trie (global_min_match: shortest in the trie of earlier outputs, whose short matches are
+    weak evidence). factor: a draft grown from a match of m tokens has at most factor x m
+    nodes. min_prob: no node whose path probability (the product of empirical next-token
+    frequencies) is lower. matches: how many match lengths per trie (longest first) grow a
+    draft; merge: their union (best first, up to the budget) is proposed, else only the
+    best-scoring one. use_global: also draft from earlier outputs; max_nodes: that trie's
+    node cap (oldest outputs are evicted to fit). label_cap: label drafts by trie and match
+    length (capped) so the adaptive policy learns what each kind pays; 0 = no labels."""
 
-    max_depth: int = 24
-    min_match: int = 2
-    factor: float = 1.0
+    max_depth: int = 16
+    min_match: int = 1
+    factor: float = 4.0
     min_prob: float = 0.1
     matches: int = 3
-    label_cap: int = 6
+    merge: bool = True
     use_global: bool = True
+    global_min_match: int = 3
     max_nodes: int = 200_000
+    label_cap: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_match <= self.max_depth <= 256:
@@ -62,19 +72,45 @@ class SuffixConfig:
                 f"suffix: need 1 <= min_match <= max_depth <= 256, got min_match={self.min_match}, "
                 f"max_depth={self.max_depth}"
             )
+        if not 1 <= self.global_min_match <= self.max_depth:
+            raise SpecdraftError(f"suffix: need 1 <= global_min_match <= max_depth, got {self.global_min_match}")
         if not 0 < self.factor <= 64:
             raise SpecdraftError(f"suffix: factor must be in (0, 64], got {self.factor}")
         if not 0 <= self.min_prob <= 1:
             raise SpecdraftError(f"suffix: min_prob must be in [0, 1], got {self.min_prob}")
         if not 1 <= self.matches <= 64:
             raise SpecdraftError(f"suffix: matches must be in 1..64, got {self.matches}")
-        if not 0 <= self.label_cap <= 256:
-            raise SpecdraftError(f"suffix: label_cap must be in 0..256, got {self.label_cap}")
         if not 0 <= self.max_nodes <= 100_000_000:
             raise SpecdraftError(f"suffix: max_nodes must be in 0..100000000, got {self.max_nodes}")
+        if not 0 <= self.label_cap <= 256:
+            raise SpecdraftError(f"suffix: label_cap must be in 0..256, got {self.label_cap}")
 
 
-_EMPTY = Growth([], [], 0.0)
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    growth: Growth
+    label: str
+
+
+def merge(growths: list[Growth], budget: int) -> tuple[list[int], list[int]]:
+    """One draft tree from several, best first: each tree's nodes are added in its own order
+    (parents first) unless the same path is already there, until ``budget`` nodes."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    index: dict[tuple[int, int], int] = {}  # (parent in the merged tree, token) -> node
+    for g in growths:
+        ids: list[int] = []  # g's node -> merged node
+        for tok, par in zip(g.tokens, g.parents):
+            key = (ids[par] if par >= 0 else -1, tok)
+            node = index.get(key)
+            if node is None:
+                if len(tokens) == budget:
+                    return tokens, parents
+                node = index[key] = len(tokens)
+                tokens.append(tok)
+                parents.append(key[0])
+            ids.append(node)
+    return tokens, parents
 
 
 @dataclass(slots=True)
@@ -140,40 +176,48 @@ class SuffixProposer:
 
     def _propose_row(self, state: _Row, budget: int) -> Draft:
         self._feed(state)
-        best, length = self._grow(state.trie, state.ends, budget)
-        source = "s"
+        found = self._candidates(state.trie, state.ends, budget, "s", self.config.min_match)
         if self.config.use_global and self.outputs:
-            other, other_length = self._grow(self.global_trie, self._global_ends(state), budget)
-            if other.score > best.score:
-                best, length, source = other, other_length, "g"
-        if not best.tokens:
+            found += self._candidates(self.global_trie, self._global_ends(state), budget, "g",
+                                      self.config.global_min_match)
+        if not found:
             return Draft.empty()
-        # the label tells the adaptive policy what evidence the draft rests on (it learns how
-        # often each kind pays): the trie and the match length, long matches pooled
-        label = f"{source}{min(length, self.config.label_cap)}" if self.config.label_cap else ""
-        return Draft(tuple(best.tokens), tuple(best.parents), label=label)
+        found.sort(key=lambda c: -c.growth.score)  # stable: ties keep this request's trie, longer matches
+        best = found[0]
+        if self.config.merge:
+            tokens, parents = merge([c.growth for c in found], budget)
+        else:
+            tokens, parents = best.growth.tokens, best.growth.parents
+        return Draft(tuple(tokens), tuple(parents), label=best.label)
 
-    def _grow(self, trie: SuffixTrie, ends: list[int], budget: int) -> tuple[Growth, int]:
-        """The best-scoring draft among the longest ``matches`` suffixes (min_match ..
-        max_depth tokens) that have continuations. A shorter suffix is only tried where it
-        occurs more often than the longer one (otherwise its continuations are the same): in
-        a loop, the longest match's only earlier occurrence may end at the context's end,
-        while a shorter one also matches a period earlier, with a longer continuation."""
+    def _candidates(self, trie: SuffixTrie, ends: list[int], budget: int, source: str,
+                    min_match: int) -> list[_Candidate]:
+        """Drafts grown from the longest ``matches`` suffixes (min_match .. max_depth tokens)
+        that have continuations. A shorter suffix is only tried where it occurs more often
+        than the longer one (otherwise its continuations are the same): in a loop, the
+        longest match's only earlier occurrence may end at the context's end, while a shorter
+        one also matches a period earlier, with a longer continuation."""
         c = self.config
         counts, first = trie.counts, trie.first
-        best, best_length, tried, deeper = _EMPTY, 0, 0, 0
-        for length in range(min(c.max_depth, len(ends) - 1), c.min_match - 1, -1):
+        out: list[_Candidate] = []
+        deeper = 0
+        for length in range(min(c.max_depth, len(ends) - 1), min_match - 1, -1):
             node = ends[length]
             if first[node] < 0 or counts[node] == deeper:
                 continue
             deeper = counts[node]
             growth = trie.grow(node, min(budget, max(1, int(c.factor * length))), c.min_prob)
-            if growth.score > best.score:
-                best, best_length = growth, length
-            tried += 1
-            if tried == c.matches or best.score >= budget - 1e-9:  # nothing can beat a sure full draft
+            if growth.tokens:
+                out.append(_Candidate(growth, self._label(source, length)))
+            if len(out) == c.matches or growth.score >= budget - 1e-9:  # nothing beats a sure full draft
                 break
-        return best, best_length
+        return out
+
+    def _label(self, source: str, length: int) -> str:
+        """What evidence a draft rests on, for the adaptive policy (it learns how often each
+        kind pays): the trie ("s" this request, "g" earlier outputs) and the match length,
+        long matches pooled. "" (no label, no trimming) when label_cap is 0."""
+        return f"{source}{min(length, self.config.label_cap)}" if self.config.label_cap else ""
 
     def _feed(self, state: _Row) -> None:
         """Extend the request's trie with the tokens emitted since the last call."""

@@ -39,6 +39,7 @@ class Growth:
 
     tokens: list[int]  # [N]
     parents: list[int]  # [N]
+    probs: list[float]  # [N] path probabilities, non-increasing
     score: float
 
 
@@ -196,12 +197,13 @@ class SuffixTrie:
         parent's continued occurrences along the path), none below ``min_prob``. Path
         probabilities only shrink going down, so parents come before their children."""
         if max_nodes <= 0:
-            return Growth([], [], 0.0)
+            return Growth([], [], [], 0.0)
         counts, token, first, sibling = self.counts, self.token, self.first, self.sibling
         heap: list[tuple[float, int, int, int]] = []  # (-path probability, tie-break, node, parent index)
         tick = 0
         tokens: list[int] = []
         parents: list[int] = []
+        probs: list[float] = []
         score = 0.0
         node, prob, index = start, 1.0, -1
         while True:
@@ -218,11 +220,12 @@ class SuffixTrie:
                     tick += 1
                 c = sibling[c]
             if not heap:
-                return Growth(tokens, parents, score)
+                return Growth(tokens, parents, probs, score)
             negp, _, node, parent = heapq.heappop(heap)
             prob, index = -negp, len(tokens)
             tokens.append(token[node])
             parents.append(parent)
+            probs.append(prob)
             score += prob
             if len(tokens) >= max_nodes:
-                return Growth(tokens, parents, score)
+                return Growth(tokens, parents, probs, score)
