@@ -66,7 +66,8 @@ def test_trie_counts_equal_brute_force(seqs: list[list[int]], depth: int) -> Non
 def test_incremental_extension_equals_building_from_scratch(seq: list[int], cuts: list[int], depth: int) -> None:
     """A proposer row fed in random chunks (as decode steps emit them) holds the same trie as
     one built from the whole sequence, and its ends are the nodes of the sequence's suffixes."""
-    proposer = SuffixProposer(SuffixConfig(max_depth=max(1, depth - 1), min_match=1), max_draft=1)
+    config = SuffixConfig(max_depth=max(1, depth - 1), min_match=1, global_min_match=1)
+    proposer = SuffixProposer(config, max_draft=1)
     seq_obj = SimpleNamespace(tokens=[], output=[])
     proposer.begin(0, seq_obj)  # type: ignore[arg-type]
     for cut in sorted(cuts) + [len(seq)]:
@@ -126,7 +127,7 @@ class Row:
 
 
 def local(**options) -> SuffixProposer:
-    return SuffixProposer(SuffixConfig(use_global=False, **options))
+    return SuffixProposer(SuffixConfig(use_global=False, global_min_match=1, **options))
 
 
 def path_probs(draft: Draft, probs: dict[tuple[int, ...], float]) -> list[float]:
@@ -198,19 +199,20 @@ def test_rows_and_growth_are_independent_and_deterministic() -> None:
 
 
 def test_a_pattern_from_an_earlier_output_is_proposed() -> None:
-    proposer = SuffixProposer(SuffixConfig(min_match=2, factor=4.0))
+    proposer = SuffixProposer(SuffixConfig(min_match=2, factor=4.0, global_min_match=3, label_cap=6))
     first = Row(proposer, [1, 2])
-    first.tokens += [40, 41, 42, 43, 44, 45, 46]  # "generated"
-    assert len(Row(proposer, [5, 40, 41], row=1).propose(4)) == 0  # not yet finished
+    first.tokens += [40, 41, 42, 43, 44, 45, 46, 47]  # "generated"
+    assert len(Row(proposer, [5, 40, 41, 42], row=1).propose(4)) == 0  # not yet finished
     proposer.end(0)
     proposer.end(1)
-    d = Row(proposer, [5, 6, 40, 41]).propose(4)
-    assert d.tokens == (42, 43, 44, 45) and d.label.startswith("g")
-    assert len(Row(SuffixProposer(SuffixConfig(use_global=False)), [5, 6, 40, 41]).propose(4)) == 0
+    d = Row(proposer, [5, 6, 40, 41, 42]).propose(4)
+    assert d.tokens == (43, 44, 45, 46) and d.label == "g3"
+    assert len(Row(proposer, [5, 6, 41, 42]).propose(4)) == 0  # 2 tokens: below global_min_match
+    assert len(Row(SuffixProposer(SuffixConfig(use_global=False)), [5, 6, 40, 41, 42]).propose(4)) == 0
 
 
 def test_the_global_trie_is_followed_as_it_changes() -> None:
-    proposer = SuffixProposer(SuffixConfig(min_match=2, factor=4.0))
+    proposer = SuffixProposer(SuffixConfig(min_match=2, factor=4.0, global_min_match=2))
     for output in ([50, 51, 52], [30, 31, 32, 33]):
         if output[0] == 30:  # the global trie changes while row 0 is running
             row = Row(proposer, [5, 6, 30])
@@ -251,7 +253,8 @@ def test_an_output_larger_than_the_cap_is_not_kept() -> None:
 
 
 @pytest.mark.parametrize("options", [dict(max_depth=0), dict(min_match=5, max_depth=4), dict(factor=0.0),
-                                     dict(min_prob=1.5), dict(max_nodes=-1), dict(matches=0), dict(label_cap=-1)])
+                                     dict(min_prob=1.5), dict(max_nodes=-1), dict(matches=0), dict(label_cap=-1),
+                                     dict(global_min_match=0), dict(global_min_match=5, max_depth=4)])
 def test_bad_settings_raise_one_line(options: dict) -> None:
     with pytest.raises(SpecdraftError) as e:
         SuffixConfig(**options)
@@ -273,7 +276,7 @@ def test_registered_with_options() -> None:
 @pytest.mark.parametrize("k", [3, 8])
 def test_greedy_equals_plain_on_loopy(loopy: Setup, policy: str, k: int) -> None:
     """Twice with one proposer: the second run also drafts from the first run's outputs."""
-    proposer = SuffixProposer(SuffixConfig(min_match=1, factor=2.0), max_draft=k)
+    proposer = SuffixProposer(SuffixConfig(), max_draft=k)  # the defaults
     engine = spec_engine(loopy.loaded, proposer, k, policy, batch=len(loopy.prompts))
     for run in range(2):
         stats = SpecStats()
@@ -295,7 +298,7 @@ def test_greedy_equals_plain_on_the_tiny_model(tiny: Setup) -> None:
 
 def test_engine_sampling_is_lossless(sampled_setup) -> None:  # noqa: F811 (fixture)
     first, joint, triple, stats = _engine_lossless_check(
-        sampled_setup, proposer=lambda _m, _t: SuffixProposer(SuffixConfig(min_match=1), max_draft=4), k=4)
+        sampled_setup, proposer=lambda _m, _t: SuffixProposer(SuffixConfig(), max_draft=4), k=4)
     assert stats.accepted > 0.05 * ENGINE_ROWS, "drafts should be accepted in the first steps"
     assert not first.rejects, first
     assert not joint.rejects, joint
