@@ -378,8 +378,16 @@ def test_report_rebuilt_from_results_json_alone(sweep, tmp_path, capsys):
                    f"{m['torch_threads']} torch threads", c["dtype"], f"python {m['python']}",
                    f"torch {m['torch']}", f"specdraft {m['specdraft']}"):
         assert needle in md, needle
-    table = [line for line in md.splitlines() if line.startswith("|")]
-    assert len(table) == 2 + len(results["rows"])  # header, separator, one line per result
+    lines = md.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    table = [line for line in lines[first:] if line.startswith("|")][: 2 + len(results["rows"])]
+    assert not lines[first + len(table)].startswith("|")  # header, separator, one line per result
+    plain1 = [r for r in results["rows"] if r["base_method"] == "plain" and r["batch"] == 1]
+    assert plain1 and all(r["copy_ceiling_tau"] >= 1.0 for r in plain1)
+    assert "## Headroom for copying" in md
+    for r in plain1:
+        assert any(line.split("|")[1].strip() == r["workload"] and f"{r['copy_ceiling_tau']:.2f}" in line
+                   for line in lines if line.startswith("|") and "ceiling" not in line), r["workload"]
     for r in results["rows"]:
         assert [r["workload"], str(r["batch"]), r["method"]] in [
             [c.strip() for c in line.split("|")[1:4]] for line in table], r
@@ -631,3 +639,18 @@ def test_peers_table_sets_each_peer_beside_our_matching_method():
     lines = peers_table(results).splitlines()
     assert "1.40x (ngram)" in lines[2] and "prompt lookup" in lines[2]
     assert "1.20x (draft:path=d)" in lines[3] and "0.90x" in lines[3]
+
+
+def test_copy_ceiling_counts_the_oracle_steps():
+    from specdraft.bench.ceiling import copy_ceiling_steps, copy_ceiling_tau
+
+    prompt = [1, 2, 3, 4, 5, 6]
+    out = [9, 2, 3, 4, 5, 7, 8]  # 9 comes from the prefill
+    assert copy_ceiling_steps(prompt, out, k=4) == 2  # [2 3 4 5] + bonus 7, then 8
+    assert copy_ceiling_steps(prompt, out, k=2) == 3  # [2 3] + 4, [5] + 7, then 8
+    assert copy_ceiling_steps(prompt, [9, 10, 11, 12], k=4) == 3  # nothing to copy
+    # token alignment: 256 = bytes 00 01 00 00 must not match across token boundaries
+    assert copy_ceiling_steps([1, 256 * 256], [0, 256, 0], k=4) == 2
+    # copying from its own output: a repeated phrase is copied the second time
+    assert copy_ceiling_steps([0], [5, 6, 7, 5, 6, 7, 5], k=4) == 3  # 6, 7, then [5 6 7] + bonus 5
+    assert copy_ceiling_tau([([0], [1, 2, 3])], k=4) == 1.0

@@ -24,6 +24,7 @@ from typing import Any
 from tqdm import tqdm
 
 from specdraft.api import build_engine
+from specdraft.bench.ceiling import copy_ceiling_tau
 from specdraft.bench.machine import machine_info
 from specdraft.engine import Engine
 from specdraft.errors import SpecdraftError
@@ -139,6 +140,7 @@ class Row:
     prefill_s: float = 0.0
     proposer_bytes: int = 0
     peak_rss_bytes: int = 0
+    copy_ceiling_tau: float = 0.0  # plain rows: the tau of an oracle copying context spans (bench/ceiling.py)
 
 
 def build_requests(loaded: LoadedModel, prompts: list[Prompt], max_prompt: int, gen: GenerationConfig,
@@ -172,15 +174,24 @@ def batches(requests: list[Request], size: int, workload: str, samples: int) -> 
     return [requests[i * size : (i + 1) * size] for i in range(n)]
 
 
-def run_config(engine: Engine, groups: list[list[Request]], gen: GenerationConfig, cfg: BenchConfig) -> tuple[float, int, SpecStats]:
+@dataclass(slots=True)
+class RunResult:
+    seconds: float
+    new_tokens: int
+    stats: SpecStats
+    outputs: list[tuple[tuple[int, ...], list[int]]]  # (prompt, generated tokens) per request
+
+
+def run_config(engine: Engine, groups: list[list[Request]], gen: GenerationConfig, cfg: BenchConfig) -> RunResult:
     stats = SpecStats()
-    new_tokens = 0
+    outputs: list[tuple[tuple[int, ...], list[int]]] = []
     t0 = time.perf_counter()
     for gi, group in enumerate(groups):
         sampling = [Sampling(temperature=cfg.temperature, seed=cfg.seed + gi * 1000 + i) for i in range(len(group))]
         results = engine.generate([list(r.tokens) for r in group], gen, sampling, stats=stats)
-        new_tokens += sum(len(r.tokens) for r in results)
-    return time.perf_counter() - t0, new_tokens, stats
+        outputs += [(r.tokens, res.tokens) for r, res in zip(group, results)]
+    seconds = time.perf_counter() - t0
+    return RunResult(seconds, sum(len(o) for _, o in outputs), stats, outputs)
 
 
 def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -221,12 +232,14 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str,
                 warmed.add((m.label, b))
             times, last = [], None
             for _ in range(cfg.repeats):
-                t, new_tokens, stats = run_config(engine, groups, gen, cfg)
-                times.append(t)
-                last = (new_tokens, stats)
+                last = run_config(engine, groups, gen, cfg)
+                times.append(last.seconds)
                 bar.update(1)
             assert last is not None
-            rows.append(make_row(m, w, b, groups, times, *last))
+            row = make_row(m, w, b, groups, times, last.new_tokens, last.stats)
+            if m.method == "plain":
+                row.copy_ceiling_tau = copy_ceiling_tau(last.outputs, max(max_k, 1))
+            rows.append(row)
         _fill_speedups(rows, w, b)
         for r in rows[-len(methods):]:
             bar.write(f"  {w:>18} batch {b:>3} {r.method:>24}: {r.tokens_per_s:7.1f} tok/s  x{r.speedup:.2f}  "

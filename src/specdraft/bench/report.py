@@ -66,9 +66,29 @@ def _our_row(rows: list[dict[str, Any]], workload: str, base: str) -> dict[str, 
     return next((r for r in mine if r["method"] == base), mine[0] if mine else None)
 
 
+def ceiling_table(rows: list[dict[str, Any]]) -> str:
+    """Per workload (batch 1): the copy ceiling (the tau of an oracle that copies the longest
+    next span from the request's own context) beside the best tau a method reached."""
+    body = []
+    for r in rows:
+        if r["batch"] != 1 or r["base_method"] != "plain" or not r.get("copy_ceiling_tau"):
+            continue
+        spec = [x for x in rows if x["batch"] == 1 and x["workload"] == r["workload"] and x["base_method"] != "plain"]
+        best = max(spec, key=lambda x: x["tau"], default=None)
+        body.append([r["workload"], r["copy_ceiling_tau"], best["tau"] if best else "-", best["method"] if best else "-"])
+    return format_table(["workload", "copy ceiling tau", "best tau", "by"], body) if body else ""
+
+
 def render(results: dict[str, Any]) -> str:
     rows = results["rows"]
     parts = ["# specdraft benchmark", "", header(results), "", results_table(rows)]
+    ceiling = ceiling_table(rows)
+    if ceiling:
+        parts += ["", "## Headroom for copying (batch 1)", "",
+                  "The copy ceiling is the tau of an oracle that, at each step, drafts the longest next span "
+                  "of the real output (at most k tokens) found anywhere in the request's context so far: "
+                  "no method that copies from the request itself can beat it (a datastore or a draft model can).",
+                  "", ceiling]
     if results.get("peers"):
         parts += ["", "## Peers (batch 1, greedy, same weights and prompts)", "", peers_table(results)]
     for name, note in results.get("peer_notes", {}).items():
