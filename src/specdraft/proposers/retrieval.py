@@ -32,7 +32,7 @@ class RestConfig:
 
     datastore: str = ""
     max_suffix: int = 16
-    min_suffix: int = 2
+    min_suffix: int = 1
     max_matches: int = 64
 
     def __post_init__(self) -> None:
