@@ -63,7 +63,7 @@ class SuffixConfig:
     merge: bool = True
     use_global: bool = True
     global_min_match: int = 3
-    max_nodes: int = 200_000
+    max_nodes: int = 100_000
     label_cap: int = 0
 
     def __post_init__(self) -> None:
