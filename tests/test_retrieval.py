@@ -293,8 +293,12 @@ def test_datastore_build_and_info_on_a_corpus_folder(tiny_hf: Path, tiny: Loaded
     (["datastore", "build"], "--stdlib and/or --corpus"),
     (["datastore", "build", "--corpus", "/nonexistent/folder"], "not found"),
     (["datastore", "build", "--corpus", ".", "--max-tokens", "0"], "--max-tokens"),
+    (["datastore", "build", "--corpus", "{README}", "--out", "{README}/x.sdds"], "cannot write"),
 ])
 def test_datastore_build_mistakes_exit_2(argv: list[str], needle: str, tiny_hf: Path, capsys) -> None:
-    code = main([*argv, "--model", str(tiny_hf)])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and needle in err[0]
+    code = main([arg.replace("{README}", str(Path(__file__).parent.parent / "README.md")) for arg in argv]
+                + ["--model", str(tiny_hf)])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith(("tokenizing", "indexing"))]
+    assert code == 2 and "Traceback" not in err
+    assert len(lines) == 1 and lines[0].startswith("specdraft: error:") and needle in lines[0]

@@ -225,6 +225,14 @@ def _tokenize(files: Sequence[Path], tokenizer: "Tokenizer", max_tokens: int, pr
 def save(store: Datastore, path: str | Path) -> Path:
     """Write ``store`` to ``path`` (atomically: a temporary file, then a rename)."""
     path = Path(path).expanduser()
+    try:
+        _write(store, path)
+    except OSError as e:
+        raise DatastoreError(f"cannot write the datastore to {path}: {e.strerror or e}") from None
+    return path
+
+
+def _write(store: Datastore, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     header = json.dumps(asdict(store.info), ensure_ascii=True).encode()
     tokens_at = _aligned(_PREAMBLE.size + len(header))
@@ -241,7 +249,6 @@ def save(store: Datastore, path: str | Path) -> Path:
         for part in body:
             f.write(part)
     os.replace(tmp, path)
-    return path
 
 
 def load(path: str | Path, tokenizer: "Tokenizer | None" = None) -> Datastore:
@@ -250,6 +257,21 @@ def load(path: str | Path, tokenizer: "Tokenizer | None" = None) -> Datastore:
     path = Path(path).expanduser()
     if not path.is_file():
         raise DatastoreError(f"datastore not found: {path}")
+    try:
+        info, tokens_at, sa_at, size = _check(path)
+        tokens, sa = _mapped(path, tokens_at, info.tokens), _mapped(path, sa_at, info.tokens)
+    except OSError as e:
+        raise DatastoreError(f"cannot read {path}: {e.strerror or e}") from None
+    if tokenizer is not None and tokenizer_fingerprint(tokenizer) != info.fingerprint:
+        raise DatastoreError(
+            f"{path} is stale: built for another tokenizer (fingerprint {info.fingerprint[:12]}, the model's is "
+            f"{tokenizer_fingerprint(tokenizer)[:12]}); rebuild it with `specdraft datastore build --model ...`"
+        )
+    return Datastore(tokens, sa, info, size)
+
+
+def _check(path: Path) -> tuple[DatastoreInfo, int, int, int]:
+    """The header, where the two arrays start and the file size, once the whole file checks out."""
     size = path.stat().st_size
     with path.open("rb") as f:
         info, header_len, crc = _read_header(f, path, size)
@@ -260,12 +282,7 @@ def load(path: str | Path, tokenizer: "Tokenizer | None" = None) -> Datastore:
             raise DatastoreError(f"{path} is truncated or damaged: {size} bytes, its header says {expected}; rebuild it")
         if _crc_from(f, _PREAMBLE.size) != crc:
             raise DatastoreError(f"{path} is corrupt (checksum mismatch); rebuild it with `specdraft datastore build`")
-    if tokenizer is not None and tokenizer_fingerprint(tokenizer) != info.fingerprint:
-        raise DatastoreError(
-            f"{path} is stale: built for another tokenizer (fingerprint {info.fingerprint[:12]}, the model's is "
-            f"{tokenizer_fingerprint(tokenizer)[:12]}); rebuild it with `specdraft datastore build --model ...`"
-        )
-    return Datastore(_mapped(path, tokens_at, info.tokens), _mapped(path, sa_at, info.tokens), info, size)
+    return info, tokens_at, sa_at, size
 
 
 def _read_header(f: BinaryIO, path: Path, size: int) -> tuple[DatastoreInfo, int, int]:
