@@ -1,0 +1,146 @@
+"""Offline greedy simulation of speculative decoding, used to tune the suffix proposer.
+
+Greedy speculative output equals plain output, and the verifier accepts exactly the draft
+path that spells the plain output. So, given plain outputs, each step can be replayed
+without the model: the policy picks a budget, the proposer drafts, the accepted path is the
+longest draft path along the plain output, one bonus token follows. tau and acceptance are
+exact for a given policy history; the adaptive policy runs with the float32 batch-1 cost
+curve of results/runtime/runtime.json and a fixed propose time, so runs are deterministic
+(the live engine measures both, so its policy choices, and tau, differ a little). The
+estimated speedup is plain cost / simulated cost on that curve.
+
+    # plain outputs of the bench's batch-1 requests (slow: runs the model)
+    .venv/bin/python scripts/suffix_sim.py refs summarization,rag,editing,code,repeat --samples 8
+    # then any number of configurations (fast), in `specdraft bench --methods` syntax
+    .venv/bin/python scripts/suffix_sim.py run summarization,rag,editing,code,repeat ngram suffix suffix:factor=2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from specdraft.accept import Acceptance
+from specdraft.api import build_engine
+from specdraft.bench.harness import MethodSpec, build_requests
+from specdraft.draft import Draft
+from specdraft.model.loader import load
+from specdraft.policy import CostModel, Policy, PolicyConfig
+from specdraft.proposers import make_proposer
+from specdraft.sequence import GenerationConfig
+from specdraft.workloads import load_workload
+
+PROPOSE_S = 50e-6  # the propose time the simulated policy sees (measured times are noisy)
+RUNTIME = Path(__file__).resolve().parent.parent / "results" / "runtime" / "runtime.json"
+
+
+def write_refs(workloads: list[str], samples: int, new_tokens: int, folder: Path) -> None:
+    loaded = load(None)
+    gen = GenerationConfig(max_new_tokens=new_tokens)
+    plain = build_engine(loaded, "plain")
+    max_prompt = loaded.config.max_context - new_tokens - 8 - 2  # as the bench (k = 8)
+    folder.mkdir(parents=True, exist_ok=True)
+    for w in workloads:
+        requests = build_requests(loaded, load_workload(w, samples), max_prompt, gen, samples)
+        rows = [{"id": r.id, "prompt": list(r.tokens), "output": plain.generate([list(r.tokens)], gen)[0].tokens}
+                for r in requests]
+        (folder / f"{w}.json").write_text(json.dumps({"new_tokens": new_tokens, "rows": rows}))
+        print(f"{w}: {len(rows)} plain outputs")
+
+
+class _Seq:
+    """What a proposer reads of a sequence: tokens (prompt + output so far) and output."""
+
+    def __init__(self, prompt: list[int]) -> None:
+        self.prompt, self.tokens = list(prompt), list(prompt)
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[len(self.prompt) :]
+
+
+def accepted_path(draft: Draft, target: list[int]) -> list[int]:
+    """Greedy acceptance against the known target tokens: the longest matching path."""
+    kids = draft.children()
+    path, node = [], -1
+    for token in target:
+        nxt = next((c for c in kids[node + 1] if draft.tokens[c] == token), None)
+        if nxt is None:
+            break
+        path.append(nxt)
+        node = nxt
+    return path
+
+
+def simulate(spec: MethodSpec, workloads: list[str], folder: Path, samples: int) -> dict[str, dict[str, float]]:
+    curve = {int(q): ms / 1000 for q, ms in json.loads(RUNTIME.read_text())["cost_curve"]["float32"].items()}
+    cost = CostModel(table={1: curve})
+    proposer = make_proposer(spec.method, dict(spec.options))
+    policy = Policy(PolicyConfig(kind=spec.policy, k=spec.k), cost)  # one per engine across workloads, as the bench
+    out = {}
+    for w in workloads:
+        data = json.loads((folder / f"{w}.json").read_text())
+        totals = dict(steps=0, emitted=0, proposed=0, accepted=0, cost=0.0, plain=0.0)
+        for row in data["rows"][:samples]:
+            _replay(row, data["new_tokens"], proposer, policy, cost, totals)
+        out[w] = dict(tau=totals["emitted"] / totals["steps"], acceptance=totals["accepted"] / max(1, totals["proposed"]),
+                      nodes=totals["proposed"] / totals["steps"], speedup=totals["plain"] / totals["cost"])
+    return out
+
+
+def _replay(row: dict[str, Any], new_tokens: int, proposer: Any, policy: Policy, cost: CostModel,
+            totals: dict[str, float]) -> None:
+    target = row["output"]
+    eos = len(target) < new_tokens  # the request ended with EOS: one more token to emit
+    end = len(target) + eos
+    seq = _Seq(row["prompt"] + target[:1])  # the first token comes from the prefill
+    proposer.begin(0, seq)
+    policy.begin(0)
+    pos = 1
+    while pos < end:
+        budget = policy.budgets([max(0, new_tokens - pos - 1)], 1)[0]
+        draft = proposer.propose([seq], [budget], None)[0] if budget > 0 else Draft.empty()
+        draft = policy.trim([draft], 1)[0]
+        path = accepted_path(draft, target[pos:])
+        emitted = min(len(path) + 1, end - pos)
+        policy.observe(0, draft, Acceptance(tuple(path), tuple(target[pos : pos + len(path) + 1])))
+        if len(draft):
+            policy.observe_propose_time(max(draft.depths()), PROPOSE_S)
+        seq.tokens.extend(target[pos : pos + emitted])
+        pos += emitted
+        totals["steps"] += 1
+        totals["emitted"] += emitted
+        totals["proposed"] += len(draft)
+        totals["accepted"] += len(path)
+        totals["cost"] += cost.latency(1, 1 + len(draft), 1 + policy.config.k) + (PROPOSE_S if len(draft) else 0.0)
+    totals["plain"] += (end - 1) * cost.latency(1, 1, 1 + policy.config.k)
+    seq.tokens = seq.tokens[: len(row["prompt"]) + len(target)]  # the EOS is not part of the output
+    proposer.end(0)
+    policy.end(0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=["refs", "run"])
+    parser.add_argument("workloads", help="comma-separated workloads (their order is the requests' order)")
+    parser.add_argument("methods", nargs="*", help="method specs, as specdraft bench --methods (run)")
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--refs", default="runs/suffix-sim", help="folder of the plain outputs")
+    args = parser.parse_intermixed_args()
+    workloads, folder = args.workloads.split(","), Path(args.refs)
+    if args.command == "refs":
+        write_refs(workloads, args.samples, args.max_new_tokens, folder)
+        return
+    for text in args.methods:
+        res = simulate(MethodSpec.parse(text), workloads, folder, args.samples)
+        cells = "  ".join(f"{w} {r['tau']:.2f}/{r['acceptance']:.0%}/{r['nodes']:.1f}/x{r['speedup']:.2f}"
+                          for w, r in res.items())
+        mean = sum(r["speedup"] for r in res.values()) / len(res)
+        print(f"{text:28s} {cells}  mean x{mean:.3f}   (tau/acceptance/nodes per step/est. speedup)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
