@@ -306,8 +306,8 @@ def test_engine_sampling_is_lossless(sampled_setup) -> None:  # noqa: F811 (fixt
 
 
 def test_merge_shares_prefixes_best_first_within_the_budget() -> None:
-    a = Growth([1, 2, 3], [-1, 0, 1], [1.0, 1.0, 0.5], 2.5)
-    b = Growth([1, 4, 5], [-1, 0, -1], [0.5, 0.3, 0.2], 1.0)  # "1" is shared, "1 4" and "5" are new
+    a = Growth([1, 2, 3], [-1, 0, 1], 2.5)
+    b = Growth([1, 4, 5], [-1, 0, -1], 1.0)  # "1" is shared, "1 4" and "5" are new
     assert merge([a, b], 8) == ([1, 2, 3, 4, 5], [-1, 0, 1, 0, -1])
     assert merge([a, b], 4) == ([1, 2, 3, 4], [-1, 0, 1, 0])
     assert merge([b, a], 2) == ([1, 4], [-1, 0])

@@ -39,7 +39,7 @@ from specdraft.draft import Draft
 from specdraft.errors import SpecdraftError
 from specdraft.model.kv_cache import KVCache
 from specdraft.proposers.base import ProposerContext, Verified
-from specdraft.proposers.suffix_tree import MAX_TOKEN, Growth, SuffixTrie
+from specdraft.proposers.suffix_tree import INT_BYTES, MAX_TOKEN, Growth, SuffixTrie
 from specdraft.sequence import Sequence
 
 
@@ -84,6 +84,9 @@ class SuffixConfig:
             raise SpecdraftError(f"suffix: max_nodes must be in 0..100000000, got {self.max_nodes}")
         if not 0 <= self.label_cap <= 256:
             raise SpecdraftError(f"suffix: label_cap must be in 0..256, got {self.label_cap}")
+
+
+_LIST_BYTES = 56  # an empty list; each kept output also holds its token int objects
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,4 +246,4 @@ class SuffixProposer:
 
     def memory_bytes(self) -> int:
         return (self.global_trie.nbytes() + sum(r.trie.nbytes() for r in self.rows.values())
-                + sum(8 * len(o) + 56 for o in self.outputs))
+                + sum(_LIST_BYTES + (8 + INT_BYTES) * len(o) for o in self.outputs))

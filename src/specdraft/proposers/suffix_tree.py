@@ -28,7 +28,7 @@ from dataclasses import dataclass
 ROOT = 0
 TOKEN_BITS = 24  # token ids must be below 2**24 (every vocabulary in use is far smaller)
 MAX_TOKEN = (1 << TOKEN_BITS) - 1
-_INT_BYTES = 32  # a Python int object that is not a cached small int
+INT_BYTES = 32  # a Python int object that is not a cached small int
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +39,6 @@ class Growth:
 
     tokens: list[int]  # [N]
     parents: list[int]  # [N]
-    probs: list[float]  # [N] path probabilities, non-increasing
     score: float
 
 
@@ -68,9 +67,9 @@ class SuffixTrie:
         """The trie's memory: the edge dictionary and its key/value int objects, the per-node
         lists (slots for freed ids included) and the count int objects beyond the cached ones."""
         big_counts = sum(1 for c in self.counts if c > 256)
-        return (sys.getsizeof(self.edges) + 2 * _INT_BYTES * len(self.edges)
+        return (sys.getsizeof(self.edges) + 2 * INT_BYTES * len(self.edges)
                 + sum(sys.getsizeof(x) for x in (self.counts, self.token, self.first, self.sibling, self.free))
-                + _INT_BYTES * big_counts)
+                + INT_BYTES * big_counts)
 
     # -- growing -----------------------------------------------------------------------------
     def advance(self, ends: list[int], token: int) -> list[int]:
@@ -197,13 +196,12 @@ class SuffixTrie:
         parent's continued occurrences along the path), none below ``min_prob``. Path
         probabilities only shrink going down, so parents come before their children."""
         if max_nodes <= 0:
-            return Growth([], [], [], 0.0)
+            return Growth([], [], 0.0)
         counts, token, first, sibling = self.counts, self.token, self.first, self.sibling
         heap: list[tuple[float, int, int, int]] = []  # (-path probability, tie-break, node, parent index)
         tick = 0
         tokens: list[int] = []
         parents: list[int] = []
-        probs: list[float] = []
         score = 0.0
         node, prob, index = start, 1.0, -1
         while True:
@@ -220,12 +218,11 @@ class SuffixTrie:
                     tick += 1
                 c = sibling[c]
             if not heap:
-                return Growth(tokens, parents, probs, score)
+                return Growth(tokens, parents, score)
             negp, _, node, parent = heapq.heappop(heap)
             prob, index = -negp, len(tokens)
             tokens.append(token[node])
             parents.append(parent)
-            probs.append(prob)
             score += prob
             if len(tokens) >= max_nodes:
-                return Growth(tokens, parents, probs, score)
+                return Growth(tokens, parents, score)
