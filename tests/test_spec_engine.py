@@ -743,3 +743,29 @@ def test_ngram_labels_drafts_with_the_match_length() -> None:
     tokens = [1, 2, 3, 9, 2, 3, 4, 1, 2, 3]
     assert propose(NgramProposer(CLASSIC), tokens, 2).label == "n3"
     assert propose(NgramProposer(CLASSIC), [7, 3, 5, 1, 3, 5], 2).label == "n2"
+
+
+def test_interrupted_verify_reports_the_prompts_it_finished(tiny_gguf: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture) -> None:
+    real = verify_module.compare_prompt
+    calls = []
+
+    def compare(prompt, *args):  # the third prompt is stopped half-way, as by Ctrl-C or SIGTERM
+        calls.append(prompt.id)
+        if len(calls) == 3:
+            args[-2].prompts += 1  # the partial prompt's count must be rolled back
+            raise KeyboardInterrupt
+        return real(prompt, *args)
+
+    monkeypatch.setattr(verify_module, "compare_prompt", compare)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": f"p{i}", "prompt": t}) for i, t in enumerate(TEXTS)) + "\n")
+    out_json = tmp_path / "v.json"
+    code = main(["verify", "--model", str(tiny_gguf), "--prompts", str(prompts), "--max-new-tokens", "8",
+                 "--out", str(out_json)])
+    out = capsys.readouterr().out
+    assert code == 130
+    assert "identical: 2/2 prompts" in out and "INTERRUPTED: 2 of 5 prompts checked" in out
+    saved = json.loads(out_json.read_text())
+    assert saved["interrupted"] and saved["prompts"] == 2 and saved["planned_prompts"] == 5

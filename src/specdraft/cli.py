@@ -289,7 +289,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
                        batch_invariant=args.batch_invariant,
                        device=args.device, out=args.out)
     report = run_verify(cfg)
-    return 1 if report.mismatches else 0
+    if report.mismatches:
+        return 1
+    return 130 if report.interrupted else 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -10,10 +10,14 @@ checking a second method costs only its own generations. ``SPECDRAFT_CACHE=off``
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -66,6 +70,8 @@ class VerifyReport:
     truncated_prompts: int = 0
     mismatches: list[Mismatch] = field(default_factory=list)
     stats: SpecStats = field(default_factory=SpecStats)
+    planned: int = 0  # prompts selected; more than ``prompts`` when the run was interrupted
+    interrupted: bool = False
 
     @property
     def mismatch_rate(self) -> float:
@@ -181,12 +187,19 @@ def run_verify(cfg: VerifyConfig) -> VerifyReport:
     gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens)
     max_prompt = loaded.config.max_context - cfg.max_new_tokens - cfg.k - 2
     prompts = select_prompts(cfg)
-    report = VerifyReport()
+    report = VerifyReport(planned=len(prompts))
     cache = ReferenceCache.for_run(cfg, loaded.source, cfg.device)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _sigterm_interrupts():
         warnings.simplefilter("ignore")  # truncation is counted and reported below
         for prompt in tqdm(prompts, desc=f"verify {cfg.method}", unit="prompt", file=sys.stderr):
-            compare_prompt(prompt, plain, spec, gen, max_prompt, report, cache)
+            before = (report.prompts, report.turns, report.matched_turns, report.truncated_prompts, len(report.mismatches))
+            try:
+                compare_prompt(prompt, plain, spec, gen, max_prompt, report, cache)
+            except KeyboardInterrupt:  # Ctrl-C or SIGTERM: report the prompts finished so far
+                report.prompts, report.turns, report.matched_turns, report.truncated_prompts, n = before
+                del report.mismatches[n:]
+                report.interrupted = True
+                break
     print(format_report(cfg, report))
     if cfg.out:
         path = Path(cfg.out)
@@ -196,17 +209,37 @@ def run_verify(cfg: VerifyConfig) -> VerifyReport:
                                     "matched_turns": report.matched_turns,
                                     "truncated_prompts": report.truncated_prompts,
                                     "mismatch_rate": report.mismatch_rate,
+                                    "planned_prompts": report.planned, "interrupted": report.interrupted,
                                     "mismatches": [asdict(m) for m in report.mismatches],
                                     "stats": report.stats.to_dict()}, indent=2))
         print(f"wrote {path}")
     return report
 
 
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """Turn SIGTERM into KeyboardInterrupt while verifying (main thread only), so that a
+    stopped run still reports what it checked."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def format_report(cfg: VerifyConfig, r: VerifyReport) -> str:
     lines = [
         f"method {cfg.method} ({cfg.dtype}{', batch-invariant' if cfg.batch_invariant else ''}, k={cfg.k}, policy {cfg.policy}), greedy, {cfg.max_new_tokens} new tokens per turn",
         f"prompts: {r.prompts} ({r.truncated_prompts} cut to fit the context), turns compared: {r.turns}",
-        f"identical: {r.prompts - len(r.mismatches)}/{r.prompts} prompts; mismatch rate {r.mismatch_rate:.1%}",
+        f"identical: {r.prompts - len(r.mismatches)}/{r.prompts} prompts; mismatch rate {r.mismatch_rate:.1%}"
+        + (f" (INTERRUPTED: {r.prompts} of {r.planned} prompts checked)" if r.interrupted else ""),
         f"speculation: tau {r.stats.tau:.2f}, acceptance {r.stats.acceptance_rate:.1%}",
     ]
     for m in r.mismatches[:20]:
