@@ -82,7 +82,7 @@ def test_window_is_a_spine_with_columns_and_jacobi_updates_it() -> None:
     paths = {tuple(draft.tokens[i] for i in path) for path in draft.paths()}
     assert paths == {(10, 11), (10, 20, 21), (10, 20, 30, 31)}
     assert len(draft) == 6 and draft.p_draft is None
-    tops = list(state.fed)
+    tops = [node for node, _ in state.fed]
     assert [draft.tokens[t] for t in tops] == [11, 21, 31]
     # the target's argmax at the column tops are the new guesses 12, 22, 32
     verified = _verified(draft, {tops[0]: 12, tops[1]: 22, tops[2]: 32})
@@ -95,7 +95,7 @@ def test_window_is_a_spine_with_columns_and_jacobi_updates_it() -> None:
     assert state.pool.continuations(30, 4) == [(31, 32)]
     # a step that commits three tokens (two accepted + bonus) drops two columns
     draft = p.propose([seq], [6], None)[0]  # type: ignore[list-item]
-    tops = list(state.fed)
+    tops = [node for node, _ in state.fed]
     p.observe(0, draft, Acceptance((0, 1), (11, 21, 9)), _verified(draft, {tops[0]: 13, tops[1]: 23, tops[2]: 33}))
     seq.tokens += [11, 21, 9]
     assert state.window[0] == [32, 33]
@@ -118,6 +118,17 @@ def test_candidates_come_from_the_pool_by_the_root_token() -> None:
     q.begin(0, seq)  # type: ignore[arg-type]
     q.propose([seq], [8], None)
     assert len(q.rows[0].pool) == 0
+
+
+def test_candidates_whose_context_matches_come_first() -> None:
+    pool = NgramPool(size=10, per_key=4)
+    pool.add((5, 1, 1), before=(7, 8))
+    pool.add((5, 2, 2), before=(9, 9))
+    pool.add((5, 3, 3), before=(6, 8))
+    assert pool.continuations(5, 3, before=(1, 7, 8)) == [(1, 1), (3, 3), (2, 2)]  # 2 tokens match, 1, 0
+    assert pool.continuations(5, 3) == [(3, 3), (2, 2), (1, 1)]  # no context: newest first
+    assert pool.continuations(5, 1, before=(9,)) == [(2, 2)]
+    assert pool.continuations(4, 3) == []
 
 
 def test_budget_is_respected_and_split() -> None:

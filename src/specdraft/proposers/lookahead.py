@@ -5,7 +5,9 @@ Each row keeps a *window* of guessed future tokens and an *n-gram pool*. Every s
 draft tree under the root (the last committed token) holds two kinds of branches:
 
 - *verification branches*: up to G n-grams from the pool whose first token is the root,
-  their N - 1 following tokens merged as a trie;
+  their N - 1 following tokens merged as a trie. The pool remembers the few tokens seen
+  before each n-gram; those whose remembered context matches more of the current one come
+  first, then the most recently seen;
 - the *lookahead branch*: the window. The window has W columns of N - 1 levels; column i
   holds the trajectory of guesses for one diagonal of future positions (level 0 the oldest
   guess, level N - 2 the newest). Its tree shape is a *spine* (the level-0 guesses of
@@ -58,8 +60,8 @@ class LookaheadConfig:
     n-grams a request's pool holds (least recently seen dropped first). use_prompt: also fill
     the pool with the prompt's n-grams. The budget (k) bounds the nodes: half for the window."""
 
-    window: int = 4
-    ngram: int = 3
+    window: int = 3
+    ngram: int = 4
     candidates: int = 4
     pool_size: int = 8192
     use_prompt: bool = True
@@ -83,23 +85,28 @@ class LookaheadConfig:
 # --------------------------------------------------------------------------- the n-gram pool
 
 
+CONTEXT = 3  # tokens before an n-gram remembered with it, to rank the candidates
+PER_KEY = 4  # n-grams kept per first token, in multiples of the candidates verified
+
+
 @dataclass(slots=True)
 class NgramPool:
-    """n-grams by first token. Each first token keeps its ``per_key`` most recently seen
-    n-grams; the whole pool keeps ``size`` (the least recently seen are dropped first)."""
+    """n-grams by first token, each with the (up to CONTEXT) tokens seen before it. Each first
+    token keeps its ``per_key`` most recently seen n-grams; the whole pool keeps ``size`` (the
+    least recently seen are dropped first)."""
 
     size: int
     per_key: int
-    by_key: dict[int, OrderedDict[tuple[int, ...], None]] = field(default_factory=dict)  # oldest first
+    by_key: dict[int, OrderedDict[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)  # oldest first
     order: OrderedDict[tuple[int, ...], None] = field(default_factory=OrderedDict)  # every n-gram, oldest first
 
     def __len__(self) -> int:
         return len(self.order)
 
-    def add(self, ngram: tuple[int, ...]) -> None:
-        """Add (or refresh) an n-gram of at least two tokens."""
+    def add(self, ngram: tuple[int, ...], before: Seq[int] = ()) -> None:
+        """Add (or refresh) an n-gram of at least two tokens, seen after ``before``."""
         entries = self.by_key.setdefault(ngram[0], OrderedDict())
-        entries[ngram] = None
+        entries[ngram] = tuple(before[max(0, len(before) - CONTEXT) :])
         entries.move_to_end(ngram)
         self.order[ngram] = None
         self.order.move_to_end(ngram)
@@ -115,21 +122,27 @@ class NgramPool:
         if not entries:
             del self.by_key[ngram[0]]
 
-    def continuations(self, first: int, limit: int) -> list[tuple[int, ...]]:
-        """The tokens after ``first`` of up to ``limit`` n-grams that start with it, newest first."""
+    def continuations(self, first: int, limit: int, before: Seq[int] = ()) -> list[tuple[int, ...]]:
+        """The tokens after ``first`` of up to ``limit`` n-grams that start with it: those whose
+        remembered context matches more of ``before`` (the tokens before ``first`` now) first,
+        then the most recently seen."""
         entries = self.by_key.get(first)
         if not entries or limit <= 0:
             return []
-        out = []
-        for ngram in reversed(entries):
-            out.append(ngram[1:])
-            if len(out) == limit:
-                break
-        return out
+        ranked = sorted(enumerate(entries.items()), key=lambda e: (_common_tail(e[1][1], before), e[0]), reverse=True)
+        return [ngram[1:] for _, (ngram, _) in ranked[:limit]]
 
     def nbytes(self) -> int:
-        # rough: a tuple (56 + 8 per token) and two dict slots (~100 bytes) per n-gram
-        return sum(156 + 8 * len(g) for g in self.order)
+        # rough: two tuples (2 x 56 + 8 per token) and two dict slots (~100 bytes) per n-gram
+        return sum(212 + 8 * (len(g) + CONTEXT) for g in self.order)
+
+
+def _common_tail(a: Seq[int], b: Seq[int]) -> int:
+    """How many trailing tokens a and b share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[len(a) - 1 - n] == b[len(b) - 1 - n]:
+        n += 1
+    return n
 
 
 # --------------------------------------------------------------------------- the draft tree
@@ -184,7 +197,8 @@ class RowState:
     window: list[list[int]]  # [W][N - 1]: column i, levels 0 (oldest guess) .. N - 2 (newest)
     rng: random.Random  # fills new window columns with context tokens (never the target's generator)
     harvested_to: int  # every text n-gram ending at or before this position is in the pool
-    fed: list[int] = field(default_factory=list)  # node of each window column's top in the last draft
+    fed: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # per window column in the
+    # last draft: the node of its top, and the tokens before its oldest guess (for the pool)
 
 
 def split_budget(budget: int, config: LookaheadConfig) -> int:
@@ -207,7 +221,7 @@ class LookaheadProposer:
         tokens = list(seq.tokens)
         window = [[rng.choice(tokens) for _ in range(c.levels)] for _ in range(c.window)]
         start = 0 if c.use_prompt else len(seq.prompt)
-        self.rows[row] = RowState(seq, NgramPool(c.pool_size, max(1, c.candidates)), window, rng, start)
+        self.rows[row] = RowState(seq, NgramPool(c.pool_size, PER_KEY * max(1, c.candidates)), window, rng, start)
 
     def end(self, row: int) -> None:
         self.rows.pop(row, None)
@@ -227,20 +241,21 @@ class LookaheadProposer:
                 drafts.append(Draft.empty())
                 continue
             self._harvest_text(state, seq.tokens)
-            drafts.append(self._draft(state, seq.tokens[-1], budget))
+            drafts.append(self._draft(state, seq.tokens, budget))
         return drafts
 
     def _harvest_text(self, state: RowState, tokens: list[int]) -> None:
         """Add the text's n-grams that end at positions harvested_to + 1 .. len(tokens)."""
         n = self.config.ngram
         for end in range(max(state.harvested_to + 1, n), len(tokens) + 1):
-            state.pool.add(tuple(tokens[end - n : end]))
+            state.pool.add(tuple(tokens[end - n : end]), tokens[max(0, end - n - CONTEXT) : end - n])
         state.harvested_to = max(state.harvested_to, len(tokens))
 
-    def _draft(self, state: RowState, root: int, budget: int) -> Draft:
+    def _draft(self, state: RowState, tokens: list[int], budget: int) -> Draft:
         tree = TreeBuilder()
         candidate_nodes = budget - split_budget(budget, self.config)
-        for cont in state.pool.continuations(root, self.config.candidates):
+        before = tokens[-1 - CONTEXT : -1]
+        for cont in state.pool.continuations(tokens[-1], self.config.candidates, before):
             tree.add(cont, candidate_nodes)
         spine: list[int] = []
         for column in state.window:
@@ -248,7 +263,7 @@ class LookaheadProposer:
             if tree.missing(path) > budget - len(tree.tokens):
                 break
             nodes = tree.add(path, budget)
-            state.fed.append(nodes[-1])
+            state.fed.append((nodes[-1], (*tokens[-CONTEXT:], *spine)[-CONTEXT:]))
             spine.append(column[0])
         return tree.draft()
 
@@ -259,10 +274,10 @@ class LookaheadProposer:
             return
         fed = len(state.fed)
         if fed:
-            rows = torch.tensor(state.fed, device=verified.logits.device) + 1
+            rows = torch.tensor([node + 1 for node, _ in state.fed], device=verified.logits.device)
             guesses = verified.logits[rows].argmax(-1).tolist()  # [fed] the target's next guess per column
-            for column, guess in zip(state.window, guesses):
-                state.pool.add((*column, guess))
+            for column, (_, before), guess in zip(state.window, state.fed, guesses):
+                state.pool.add((*column, guess), before)
                 column[:] = [*column[1:], guess]
         # fed columns moved up one level (one position); the rest of the shift drops columns
         self._shift(state, len(acceptance.tokens) - (1 if fed else 0))
