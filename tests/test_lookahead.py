@@ -205,3 +205,54 @@ def test_lookahead_is_lossless_through_the_engine(sampled_setup) -> None:  # noq
     assert not first.rejects, first
     assert not joint.rejects, joint
     assert not triple.rejects, triple
+
+
+# =========================================================================== the cold-start bench
+
+
+def test_step_recorder_records_every_step_and_changes_nothing(loopy: Setup) -> None:
+    from specdraft.bench.coldstart import StepRecorder
+    from specdraft.engine import Engine
+
+    base = spec_engine(loopy.loaded, LookaheadProposer(), 8)
+    recorder = StepRecorder(LookaheadProposer())
+    engine = Engine(base.model, base.tokenizer, recorder, base.policy)
+    stats = SpecStats()
+    results = engine.generate(loopy.prompts[:3], GEN, stats=stats)
+    assert [r.tokens for r in results] == loopy.refs[:3]
+    assert len(recorder.finished) == 3 and not recorder.rows
+    steps = [s for r in recorder.finished for s in r]
+    assert len(steps) == stats.steps and sum(s.accepted for s in steps) == stats.accepted
+    assert sum(s.proposed for s in steps) == stats.proposed
+
+
+def test_estimated_speedup_from_a_cost_curve() -> None:
+    from specdraft.bench.coldstart import StepRecord, cost_at, estimated_speedup, smooth
+
+    cost = {1: 40.0, 2: 50.0, 4: 54.0, 8: 62.0}
+    assert cost_at(cost, 3) == 52.0 and cost_at(cost, 12) == 70.0  # between points; past the end
+    plain = [StepRecord(0, 0, 1)] * 4
+    assert estimated_speedup(plain, cost) == 1.0
+    # two passes of 3 nodes that emit 3 tokens each: 6 tokens for 2 x cost(4) instead of 6 x cost(1)
+    assert estimated_speedup([StepRecord(3, 2, 3)] * 2, cost) == pytest.approx(6 * 40 / (2 * 54))
+    assert estimated_speedup(plain, None) is None
+    assert smooth([0.0, 3.0, 0.0, 3.0], 3) == [1.5, 1.0, 2.0, 1.5]
+
+
+def test_coldstart_command_writes_json_and_plot(tiny_hf, tmp_path) -> None:
+    import json
+
+    from specdraft.bench.coldstart import main
+
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text('{"prompt": "a b a b a b"}\n{"prompt": "Hello there"}\n')
+    out = tmp_path / "out"
+    code = main(["--out", str(out), "--model", str(tiny_hf), "--workload", f"mine={prompts}", "--prompts", "2",
+                 "--max-new-tokens", "12", "--method", "lookahead:policy=fixed,k=6", "--method", "ngram",
+                 "--cost-curve", str(tmp_path / "none.json")])
+    assert code == 0
+    data = json.loads((out / "coldstart.json").read_text())
+    assert [r["method"] for r in data["results"]] == ["lookahead:policy=fixed,k=6", "ngram"]
+    assert all(r["requests"] == 2 and r["est_speedup"] is None for r in data["results"])
+    assert (out / "coldstart.png").stat().st_size > 0
+    assert main(["--out", str(out), "--model", str(tiny_hf), "--method", "nosuch"]) == 2
