@@ -103,6 +103,18 @@ def test_window_is_a_spine_with_columns_and_jacobi_updates_it() -> None:
     assert all(t in seq.tokens for c in state.window[1:] for t in c)  # new columns: context tokens
 
 
+def test_a_draft_other_than_the_proposed_one_only_shifts_the_window() -> None:
+    p = LookaheadProposer(LookaheadConfig(window=3, ngram=3, candidates=0))
+    seq = _fake_seq([1, 2, 3])
+    p.begin(0, seq)  # type: ignore[arg-type]
+    state = p.rows[0]
+    state.window[:] = [[10, 11], [20, 21], [30, 31]]
+    draft = p.propose([seq], [6], None)[0]  # type: ignore[list-item]
+    cut = draft.up_to_depth(1)  # as the engine's policy may trim a draft
+    p.observe(0, cut, Acceptance((), (7,)), _verified(cut, {0: 12}))
+    assert state.window[:2] == [[20, 21], [30, 31]] and len(state.pool) == 1  # shifted by one; no guess
+
+
 def test_candidates_come_from_the_pool_by_the_root_token() -> None:
     config = LookaheadConfig(window=2, ngram=3, candidates=2)
     p = LookaheadProposer(config)

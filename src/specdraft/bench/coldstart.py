@@ -250,7 +250,8 @@ def write_plot(data: dict[str, Any], path: Path) -> Path | None:
 def parse_args(argv: list[str] | None) -> tuple[str, ColdStartConfig]:
     ap = argparse.ArgumentParser(prog="python -m specdraft.bench.coldstart", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="output folder (coldstart.json, coldstart.png)")
-    ap.add_argument("--method", action="append", help=f"NAME[:k=..,policy=..,option=..] (default: {', '.join(DEFAULT_METHODS)})")
+    ap.add_argument("--method", action="append",
+                    help=f"NAME[:k=..,policy=..,option=..] (default: {', '.join(DEFAULT_METHODS)})")
     ap.add_argument("--workload", action="append", help="workload name (default: math, code)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)

@@ -20,8 +20,10 @@ The target's logits at the top of column i give its next guess (greedy argmax: a
 update). ``observe`` then harvests the n-gram ``column i + [new guess]`` into the pool
 (keyed by its first token), moves each column up one level (the oldest guess drops out, the
 new one enters on top) and shifts the columns past the tokens the step committed, filling
-new columns at the end with random tokens of the context. The pool is also fed with the
-n-grams of the generated text and, with ``use_prompt``, of the prompt.
+new columns at the end with random tokens of the context (a per-row generator seeded with
+0, never the target's). Columns a small budget left out of the draft keep their guesses.
+The pool is also fed with the n-grams of the generated text and, with ``use_prompt``, of
+the prompt.
 
 All nodes are deterministic drafts (``p_draft`` None): a window guess the target happens to
 agree with is simply accepted. The drafts depend only on the context and on earlier steps
@@ -31,8 +33,8 @@ sampled rows stay exact.
 Budget (``budgets[row]`` bounds the node count): half of it, in whole columns of N - 1
 nodes (at most W), is reserved for the window; the candidates fill the rest in pool order
 (a trie shares their common prefixes), and whatever they leave goes to more window columns.
-A budget below N - 1 holds candidates only; budget 0 drafts nothing (the window then only
-shifts with the committed token).
+A budget below 2 (N - 1) reserves no column (a column still fits into what the candidates
+leave); budget 0 drafts nothing (the window then only shifts with the committed token).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from specdraft.sequence import Sequence
 class LookaheadConfig:
     """window: W, Jacobi window columns (guessed future positions). ngram: N, the n-gram size
     (the window has N - 1 levels; a verified candidate is N - 1 tokens). candidates: G, the
-    most pool n-grams verified per step (also kept per first token). pool_size: the most
+    most pool n-grams verified per step (the pool keeps 4 G per first token). pool_size: the most
     n-grams a request's pool holds (least recently seen dropped first). use_prompt: also fill
     the pool with the prompt's n-grams. The budget (k) bounds the nodes: half for the window."""
 
@@ -74,7 +76,9 @@ class LookaheadConfig:
         if not isinstance(self.candidates, int) or not 0 <= self.candidates <= 64:
             raise SpecdraftError(f"lookahead: candidates must be an integer in 0..64, got {self.candidates!r}")
         if not isinstance(self.pool_size, int) or not max(1, self.candidates) <= self.pool_size <= 10**7:
-            raise SpecdraftError(f"lookahead: pool_size must be an integer in max(1, candidates)..10^7, got {self.pool_size!r}")
+            raise SpecdraftError(
+                f"lookahead: pool_size must be an integer in max(1, candidates)..10^7, got {self.pool_size!r}"
+            )
 
     @property
     def levels(self) -> int:
@@ -199,6 +203,7 @@ class RowState:
     harvested_to: int  # every text n-gram ending at or before this position is in the pool
     fed: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # per window column in the
     # last draft: the node of its top, and the tokens before its oldest guess (for the pool)
+    draft: Draft | None = None  # the last draft proposed (fed's node indices refer to it)
 
 
 def split_budget(budget: int, config: LookaheadConfig) -> int:
@@ -236,12 +241,13 @@ class LookaheadProposer:
         for row, (seq, budget) in enumerate(zip(seqs, budgets)):
             state = self.rows.get(row)
             if state is not None:
-                state.fed = []
+                state.fed, state.draft = [], None
             if seq is None or budget <= 0 or state is None:
                 drafts.append(Draft.empty())
                 continue
             self._harvest_text(state, seq.tokens)
-            drafts.append(self._draft(state, seq.tokens, budget))
+            state.draft = self._draft(state, seq.tokens, budget)
+            drafts.append(state.draft)
         return drafts
 
     def _harvest_text(self, state: RowState, tokens: list[int]) -> None:
@@ -272,7 +278,7 @@ class LookaheadProposer:
         state = self.rows.get(row)
         if state is None:
             return
-        fed = len(state.fed)
+        fed = len(state.fed) if draft is state.draft else 0  # a draft cut by the engine: no update
         if fed:
             rows = torch.tensor([node + 1 for node, _ in state.fed], device=verified.logits.device)
             guesses = verified.logits[rows].argmax(-1).tolist()  # [fed] the target's next guess per column
@@ -281,7 +287,7 @@ class LookaheadProposer:
                 column[:] = [*column[1:], guess]
         # fed columns moved up one level (one position); the rest of the shift drops columns
         self._shift(state, len(acceptance.tokens) - (1 if fed else 0))
-        state.fed = []
+        state.fed, state.draft = [], None
 
     def _shift(self, state: RowState, drop: int) -> None:
         """Drop the first ``drop`` columns (their positions are committed now) and append as
