@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specdraft.bench.layer_sweep import add_estimates
 from specdraft.engine import Engine
 from specdraft.errors import SpecdraftError
 from specdraft.metrics import SpecStats
@@ -118,3 +119,11 @@ def test_bad_settings_are_refused_with_one_line(setup: Setup) -> None:
         LayerSkipConfig(branches=0)
     with pytest.raises(SpecdraftError, match="layers must be"):
         make_proposer("layer-skip", {"layers": "two"}, context(setup.target))
+
+
+def test_sweep_speedup_estimate() -> None:
+    rows = [{"layers": 15, "tau": 2.0}]
+    add_estimates(rows, {1: 40.0, 4: 54.0, 8: 64.0}, total=30, head=0.2, k=4)
+    verify = 54.0 + (64.0 - 54.0) / 4  # c(5), interpolated
+    assert rows[0]["est_speedup"] == pytest.approx(2.0 * 40.0 / (verify + 4 * 0.5 * 40.0))
+    assert rows[0]["cost_fraction_with_head"] == pytest.approx(0.2 + 0.8 * 0.5)
