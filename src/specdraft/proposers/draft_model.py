@@ -84,13 +84,16 @@ class DraftModelProposer:
         self.branches = branches
         self.max_draft = max_draft
         self.cache: KVCache | None = None
+        self.capacity: dict[int, int] = {}  # row -> positions its request may use
         self.pending: dict[int, _Pending] = {}
 
     # -- rows ---------------------------------------------------------------------------------
     def begin(self, row: int, seq: Sequence) -> None:
+        self.capacity[row] = seq.capacity
         self._reset_row(row)
 
     def end(self, row: int) -> None:
+        self.capacity.pop(row, None)
         self._reset_row(row)
 
     def _reset_row(self, row: int) -> None:
@@ -124,7 +127,7 @@ class DraftModelProposer:
 
     def _cache_for(self, seqs: Seq[Sequence | None]) -> KVCache:
         """The draft cache, (re)allocated when the batch needs more rows or positions."""
-        longest = max((s.capacity for s in seqs if s is not None), default=0)
+        longest = max([*self.capacity.values(), *(s.capacity for s in seqs if s is not None)])
         needed = min(self.draft.config.max_context, longest + self.max_draft + 1)
         c = self.cache
         if c is None or c.batch_size != len(seqs) or c.capacity < needed:
