@@ -1,5 +1,6 @@
 """The draft-model proposer on tiny random models: greedy equivalence with plain decoding on
-ragged batches (fixed and adaptive policies, chains and first-level trees), acceptance with
+ragged batches (fixed and adaptive policies, chains and first-level trees, greedy rows beside
+sampled rows), acceptance with
 the target as its own draft and with an unrelated draft, the lossless property at
 temperature 1 through the whole engine (and mixed-up p_draft rows, which the same check rejects),
 refused drafts (other vocabulary, wider logits, no path), a short-context draft, a GGUF
@@ -25,6 +26,7 @@ from specdraft.policy import CostModel, Policy, PolicyConfig
 from specdraft.proposers import make_proposer
 from specdraft.proposers.base import Proposer, ProposerContext
 from specdraft.proposers.draft_model import DraftModelConfig, DraftModelProposer
+from specdraft.sampling import Sampling
 from specdraft.sequence import GenerationConfig, Sequence
 from test_accept import _engine_lossless_check, sampled_setup  # noqa: F401  (a fixture)
 from tiny_models import write_gguf_model, write_hf_model
@@ -92,6 +94,15 @@ def test_unrelated_draft_greedy_equals_plain_and_accepts_little(setup: Setup, un
     stats = run(setup, proposer, k=k)
     assert stats.proposed > 50
     assert stats.acceptance_rate < 0.1
+
+
+def test_greedy_rows_beside_sampled_rows_equal_plain(setup: Setup, tiny_hf: Path) -> None:
+    samplings = [Sampling(), Sampling(temperature=1.0, seed=1), Sampling(), Sampling(temperature=0.7, top_k=5, seed=2)]
+    proposer = make_proposer("draft", {"path": str(tiny_hf), "branches": "2"}, context(setup.target))
+    results = engine(setup.target, proposer).generate(setup.prompts, GEN, samplings)
+    for row in (0, 2):
+        assert results[row].tokens == setup.refs[row]
+    assert all(len(r.tokens) == GEN.max_new_tokens for r in results)
 
 
 def test_gguf_and_bfloat16_drafts(setup: Setup, tiny_gguf: Path) -> None:
