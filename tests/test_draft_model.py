@@ -1,10 +1,9 @@
 """The draft-model proposer on tiny random models: greedy equivalence with plain decoding on
 ragged batches (fixed and adaptive policies, chains and first-level trees, greedy rows beside
-sampled rows), acceptance with
-the target as its own draft and with an unrelated draft, the lossless property at
-temperature 1 through the whole engine (and mixed-up p_draft rows, which the same check rejects),
-refused drafts (other vocabulary, wider logits, no path), a short-context draft, a GGUF
-draft and a bfloat16 draft."""
+sampled rows), acceptance with the target as its own draft and with an unrelated draft, the
+lossless property at temperature 1 through the whole engine (and mixed-up p_draft rows, which
+the same check rejects), refused drafts (other vocabulary, wider logits, no path), a
+short-context draft, a GGUF draft and a bfloat16 draft."""
 
 from __future__ import annotations
 
