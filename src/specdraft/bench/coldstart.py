@@ -231,14 +231,20 @@ def write_plot(data: dict[str, Any], path: Path) -> Path | None:
     fig, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4), squeeze=False)
     for ax, workload in zip(axes[0], workloads):
         for r in (r for r in data["results"] if r["workload"] == workload):
-            xs = range(1, len(r["accepted_by_step"]) + 1)
-            line, = ax.plot(xs, smooth(r["accepted_by_step"], 9), label=f"{r['method']} (tau {r['tau']:.2f})")
-            ax.plot(xs, r["accepted_by_step"], color=line.get_color(), alpha=0.2, linewidth=0.8)
+            # steps that at least a quarter of the requests reached (the tail averages one or two)
+            steps = sum(n >= max(2, r["requests"] / 4) for n in r["requests_by_step"])
+            accepted = r["accepted_by_step"][:steps]
+            xs = range(1, steps + 1)
+            line, = ax.plot(xs, smooth(accepted, 9), label=f"{r['method']} (tau {r['tau']:.2f})")
+            ax.plot(xs, accepted, color=line.get_color(), alpha=0.2, linewidth=0.8)
         ax.set_title(f"{workload}: accepted tokens per target pass")
         ax.set_xlabel("step (target pass) within the request")
-        ax.set_ylabel(f"mean over {data['config']['prompts']} prompts (9-step average)")
+        ax.set_ylabel("accepted tokens, mean over requests")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    fig.suptitle(f"{data['model']}, {data['config']['prompts']} prompts per workload, batch 1, greedy; "
+                 "faint: per step, bold: 9-step average; steps that >= 1/4 of the requests reached", fontsize=9)
+    fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
