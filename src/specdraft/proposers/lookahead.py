@@ -223,8 +223,7 @@ class LookaheadProposer:
     def begin(self, row: int, seq: Sequence) -> None:
         c = self.config
         rng = random.Random(0)
-        tokens = list(seq.tokens)
-        window = [[rng.choice(tokens) for _ in range(c.levels)] for _ in range(c.window)]
+        window = [[rng.choice(seq.tokens) for _ in range(c.levels)] for _ in range(c.window)]
         start = 0 if c.use_prompt else len(seq.prompt)
         self.rows[row] = RowState(seq, NgramPool(c.pool_size, PER_KEY * max(1, c.candidates)), window, rng, start)
 
