@@ -124,8 +124,9 @@ class LlamaCppPeer:
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-        # room past the model's context for prompt + new tokens + the lookup's draft tokens
-        common = {"model_path": str(source), "n_ctx": 8192 + 256, "verbose": False, "logits_all": True,
+        # the model's own context (n_ctx 0 = as trained): prompts are cut to leave room for the new
+        # tokens and the draft; a larger n_ctx than trained made llama.cpp segfault at load (8448)
+        common = {"model_path": str(source), "n_ctx": 0, "verbose": False, "logits_all": True,
                   "n_threads": self.threads}
         self._plain = Llama(**common)
         self._spec = Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=PROMPT_LOOKUP_TOKENS))
