@@ -125,7 +125,7 @@ class LlamaCppPeer:
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         # the model's own context (n_ctx 0 = as trained): prompts are cut to leave room for the new
-        # tokens and the draft; a larger n_ctx than trained made llama.cpp segfault at load (8448)
+        # tokens and the draft, and llama.cpp warns about an n_ctx past the trained one
         common = {"model_path": str(source), "n_ctx": 0, "verbose": False, "logits_all": True,
                   "n_threads": self.threads}
         self._plain = Llama(**common)
