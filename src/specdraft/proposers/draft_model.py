@@ -3,10 +3,10 @@
 The draft model keeps its own KV cache, one row per engine row. Its row ``r`` holds the keys
 and values of a prefix of that row's ``seq.tokens``. At each ``propose``:
 
-1. catch up: feed the tokens the draft has not seen (a row's whole prompt the first time;
-   afterwards the accepted drafts whose KV it dropped and the bonus token), all drafting rows
-   in one right-padded, ragged batch (in chunks, like the engine's prefill), keeping each row's
-   real tokens only;
+1. catch up: feed the tokens the draft has not seen (a row's prompt and first token the first
+   time; afterwards the bonus token, after the last drafted token when the whole chain was
+   accepted), all drafting rows in one right-padded, ragged batch (in chunks, like the
+   engine's prefill), keeping each row's real tokens only;
 2. draft the chains, one forward per level for all rows (:mod:`.autoregressive`).
 
 ``observe`` rolls the row back to its context plus the drafted tokens that were accepted; the
