@@ -27,10 +27,23 @@ PY="$VENV/bin/python"
 stamp="$VENV/.specdraft-setup"
 want="$TORCH_SPEC|$(sha1sum pyproject.toml | cut -c1-12)"
 pip_q() { "$PY" -m pip install --quiet --disable-pip-version-check "$@"; }
+# ggml's AMX kernels segfault on any multi-token batch on this VM's AMX-capable Xeon (checked
+# with gdb: ggml_backend_amx_mul_mat). A native build compiles them in, so where the CPU has AMX
+# we build for its other features explicitly and leave AMX out. Override with CMAKE_ARGS=...
+llama_cmake_args() {
+  local flags; flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true)
+  case "$flags" in *amx_int8*) ;; *) return 0 ;; esac
+  local args="-DGGML_NATIVE=OFF" f
+  for f in avx:AVX avx2:AVX2 fma:FMA f16c:F16C bmi2:BMI2 avx_vnni:AVX_VNNI avx512f:AVX512 \
+           avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16; do
+    case " $flags " in *" ${f%%:*} "*) args="$args -DGGML_${f#*:}=ON" ;; esac
+  done
+  echo "$args"
+}
 peers() {
   if [ "$PEERS" = 1 ] && ! "$PY" -c 'import llama_cpp' 2>/dev/null; then
     echo "setup: building llama-cpp-python (benchmark peer, a few minutes)"
-    pip_q "llama-cpp-python==0.3.36"
+    CMAKE_ARGS=${CMAKE_ARGS:-$(llama_cmake_args)} pip_q --no-cache-dir "llama-cpp-python==0.3.36"
   fi
 }
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$PY" -c 'import specdraft, torch, gguf' 2>/dev/null; then
