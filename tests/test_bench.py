@@ -498,6 +498,18 @@ def test_transformers_draft_peer_needs_the_runs_draft(tiny_hf):
     assert plain.new_tokens == spec.new_tokens == 6
 
 
+def test_prompt_lookup_peer_ignores_the_runs_draft(tiny_hf):
+    """A run with a draft method passes its path to every peer; only transformers-draft may use
+    it (once, the prompt-lookup peer silently ran assisted generation instead)."""
+    lookup = peers_mod.TransformersPeer(assistant=str(tiny_hf))
+    assert lookup.speculative_kwargs() == {"prompt_lookup_num_tokens": peers_mod.PROMPT_LOOKUP_TOKENS}
+    draft = peers_mod.TransformersDraftPeer(assistant=str(tiny_hf))
+    if draft.unavailable(tiny_hf) is not None:
+        pytest.skip("transformers is not installed")
+    draft.bind(tiny_hf)
+    assert set(draft.speculative_kwargs()) == {"assistant_model"} and draft.speculative_kwargs()["assistant_model"] is not None
+
+
 def test_peer_availability_checks(tiny_gguf, tiny_hf, monkeypatch):
     monkeypatch.setattr(peers_mod.importlib.util, "find_spec", lambda name, *a, **k: object())  # all "installed"
     assert peers_mod.LlamaCppPeer().unavailable(tiny_gguf) is None

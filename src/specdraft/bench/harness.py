@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from specdraft.api import build_engine
@@ -309,14 +310,15 @@ def run_peers(cfg: BenchConfig, loaded: LoadedModel, requests: dict[str, list[Re
             f"{row['mode']} {row['speculative_tokens_per_s']:6.1f} tok/s x{row['speedup']:.2f}")
 
     assistant = next((dict(m.options).get("path") for m in cfg.methods if m.method == "draft"), None)
+    threads = torch.get_num_threads()  # the peers get the threads our methods ran with
     for name in cfg.peers:
         log(f"peer {name}: plain and speculative decoding on {len(workloads)} workload(s)")
         if cfg.isolate_peers:
             job = {"peer": name, "source": str(loaded.source), "workloads": workloads,
-                   "max_new_tokens": gen.max_new_tokens, "assistant": assistant}
+                   "max_new_tokens": gen.max_new_tokens, "assistant": assistant, "threads": threads}
             notes[name] = measure_isolated(job, emit)
         else:
-            measure_peer(name, loaded.source, workloads, gen.max_new_tokens, emit, assistant)
+            measure_peer(name, loaded.source, workloads, gen.max_new_tokens, emit, assistant, threads)
             notes.setdefault(name, "ok")
         if notes[name] != "ok":
             log(f"peer {name} {notes[name]}")

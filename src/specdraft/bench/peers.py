@@ -48,6 +48,7 @@ class TransformersPeer:
         self._model: Any = None
         self._assistant: Any = None
         self.dtype = dtype
+        self.threads = threads
         self.assistant = assistant
 
     def unavailable(self, source: Path) -> str | None:
@@ -61,6 +62,8 @@ class TransformersPeer:
         from transformers import AutoModelForCausalLM
 
         dtype = self.dtype or torch.float32
+        if self.threads:
+            torch.set_num_threads(self.threads)
         if source.is_dir():
             model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype)
         else:
@@ -69,18 +72,18 @@ class TransformersPeer:
 
     def bind(self, source: Path) -> "TransformersPeer":
         self._model = self._from(source)
-        if self.assistant:
-            self._assistant = self._from(Path(self.assistant))
         return self
+
+    def speculative_kwargs(self) -> dict[str, Any]:
+        """What ``generate`` gets on top of plain decoding: prompt lookup (the run's draft
+        model, if any, is only for ``transformers-draft``)."""
+        return {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}
 
     def run(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, speculative: bool) -> PeerRun:
         import torch
 
         model = self._model
-        extra: dict[str, Any] = {}
-        if speculative:
-            extra = ({"assistant_model": self._assistant} if self._assistant is not None
-                     else {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS})
+        extra = self.speculative_kwargs() if speculative else {}
         new_tokens = 0
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -102,6 +105,15 @@ class TransformersDraftPeer(TransformersPeer):
         if not self.assistant:
             return "needs a draft model: add a 'draft:path=...' method to the run"
         return super().unavailable(source)
+
+    def bind(self, source: Path) -> "TransformersDraftPeer":
+        super().bind(source)
+        assert self.assistant is not None  # unavailable() said so otherwise
+        self._assistant = self._from(Path(self.assistant))
+        return self
+
+    def speculative_kwargs(self) -> dict[str, Any]:
+        return {"assistant_model": self._assistant}
 
 
 class LlamaCppPeer:
@@ -125,11 +137,14 @@ class LlamaCppPeer:
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         # the model's own context (n_ctx 0 = as trained): prompts are cut to leave room for the new
-        # tokens and the draft, and llama.cpp warns about an n_ctx past the trained one
-        common = {"model_path": str(source), "n_ctx": 0, "verbose": False, "logits_all": True,
-                  "n_threads": self.threads}
+        # tokens and the draft, and llama.cpp warns about an n_ctx past the trained one. Threads:
+        # the run's (llama.cpp's own default is half the cores). Plain decoding as a user runs it;
+        # prompt lookup needs logits for every position (it crashes without once the prompt
+        # passes n_batch), which costs plain decoding ~5% here.
+        common = {"model_path": str(source), "n_ctx": 0, "verbose": False, "n_threads": self.threads}
         self._plain = Llama(**common)
-        self._spec = Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=PROMPT_LOOKUP_TOKENS))
+        self._spec = Llama(**common, logits_all=True,
+                           draft_model=LlamaPromptLookupDecoding(num_pred_tokens=PROMPT_LOOKUP_TOKENS))
         return self
 
     def run(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, speculative: bool) -> PeerRun:
@@ -147,11 +162,12 @@ PEERS = {"transformers": TransformersPeer, "transformers-draft": TransformersDra
 
 
 def measure_peer(name: str, source: Path, workloads: dict[str, list[list[int]]], max_new_tokens: int,
-                 emit: Callable[[dict[str, Any]], None], assistant: str | None = None) -> None:
+                 emit: Callable[[dict[str, Any]], None], assistant: str | None = None,
+                 threads: int | None = None) -> None:
     """Plain and speculative decoding of peer ``name`` on each workload's prompts (batch 1).
     Emits one row per workload, or a single {"note": ...} when the peer cannot run.
-    ``assistant``: the draft model for ``transformers-draft``."""
-    peer = PEERS[name](assistant=assistant)
+    ``assistant``: the draft model for ``transformers-draft``; ``threads``: the run's CPU threads."""
+    peer = PEERS[name](assistant=assistant, threads=threads)
     reason = peer.unavailable(source)
     if reason is not None:
         emit({"note": f"skipped: {reason}"})
@@ -210,7 +226,8 @@ def _main() -> int:
     def emit(row: dict[str, Any]) -> None:
         print(json.dumps(row), flush=True)
 
-    measure_peer(job["peer"], Path(job["source"]), workloads, int(job["max_new_tokens"]), emit, job.get("assistant"))
+    measure_peer(job["peer"], Path(job["source"]), workloads, int(job["max_new_tokens"]), emit, job.get("assistant"),
+                 job.get("threads"))
     return 0
 
 
