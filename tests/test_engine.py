@@ -3,8 +3,9 @@
 import copy
 
 import pytest
+import torch
 
-from specdraft.engine import Engine
+from specdraft.engine import Engine, prefill_groups
 from specdraft.errors import ContextOverflowError, SpecdraftError
 from specdraft.model.loader import load
 from specdraft.sampling import Sampling
@@ -114,3 +115,37 @@ def test_bad_generation_config():
         GenerationConfig(max_new_tokens=0)
     with pytest.raises(SpecdraftError):
         GenerationConfig(stop=("",))
+
+
+@pytest.mark.parametrize("lengths, budget", [([5, 300, 7, 120, 1], 400), ([3] * 9, 27), ([50, 50], 10), ([], 10)])
+def test_prefill_groups_cover_every_row_within_budget(lengths, budget):
+    groups = prefill_groups(lengths, budget)
+    assert sorted(r for g in groups for r in g) == list(range(len(lengths)))  # each row exactly once
+    for g in groups:
+        longest = max(lengths[r] for r in g)
+        assert len(g) == 1 or len(g) * longest <= budget
+        assert lengths[g[0]] == longest  # longest first
+    firsts = [lengths[g[0]] for g in groups]
+    assert firsts == sorted(firsts, reverse=True)
+
+
+def test_grouped_prefill_equals_one_padded_batch(tiny, engine):
+    """Rows prefilled in groups (each in its own cache, copied in) get the logits and cache
+    contents of one right-padded batch, and the same committed lengths."""
+    prompts = encode(tiny, [p * 3 for p in PROMPTS])
+    cfg = GenerationConfig(max_new_tokens=4)
+    results = []
+    pairs = 2 * max(len(p) for p in prompts)
+    assert [len(g) for g in prefill_groups([len(p) for p in prompts], pairs)] == [2, 2]
+    for budget in (10**9, 1, pairs):  # one group; every row alone; two groups of two
+        seqs, cache = engine.start(prompts, cfg, [Sampling()] * len(prompts))
+        with torch.inference_mode():
+            logits = engine.prefill(seqs, cache, chunk=8, budget=budget)  # [B, V]
+        results.append((logits, cache))
+    (one, c1), *others = results
+    for grouped, c2 in others:
+        assert c2.lengths == c1.lengths == [len(p) for p in prompts]
+        torch.testing.assert_close(grouped, one, rtol=0, atol=1e-4)
+        for row, n in enumerate(c1.lengths):
+            torch.testing.assert_close(c2.k[:, row, :, :n], c1.k[:, row, :, :n], rtol=0, atol=1e-5)
+            torch.testing.assert_close(c2.v[:, row, :, :n], c1.v[:, row, :, :n], rtol=0, atol=1e-5)

@@ -27,6 +27,21 @@ from specdraft.sampling import GREEDY, Sampling, make_generator, next_tokens
 from specdraft.sequence import GenerationConfig, Sequence
 
 PREFILL_CHUNK = 512  # prompt tokens per forward during prefill (bounds the attention scores' memory)
+PREFILL_TOKENS = 8192  # padded prompt tokens (rows x longest prompt) prefilled together
+
+
+def prefill_groups(lengths: list[int], budget: int = PREFILL_TOKENS) -> list[list[int]]:
+    """Rows prefilled together, longest prompts first: a group takes rows while its size times
+    its longest prompt stays within ``budget`` (at least one row). Rows of similar length end up
+    together, so padding stays small; a batch of short prompts stays one group."""
+    order = sorted(range(len(lengths)), key=lambda r: -lengths[r])
+    groups: list[list[int]] = []
+    for r in order:
+        if groups and (len(groups[-1]) + 1) * max(1, lengths[groups[-1][0]]) <= budget:
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    return groups
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,13 +122,32 @@ class Engine:
 
     # -- prefill ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence], cache: KVCache, chunk: int = PREFILL_CHUNK) -> Tensor:
-        """Feed whole prompts (right-padded, in chunks; padding is rolled back) and return the
-        logits after each prompt's last token: [B, V]."""
+    def prefill(self, seqs: list[Sequence], cache: KVCache, chunk: int = PREFILL_CHUNK,
+                budget: int = PREFILL_TOKENS) -> Tensor:
+        """Feed whole prompts and return the logits after each prompt's last token: [B, V].
+        Rows go in groups of similar length (``prefill_groups``), each group right-padded and in
+        chunks, so that one long prompt does not make every row compute (and hold attention
+        scores for) its length; a group other than the whole batch runs in a cache of its own
+        that is then copied into its rows."""
+        lengths = [len(s.prompt) for s in seqs]
+        groups = prefill_groups(lengths, budget)
+        if len(groups) == 1:
+            return self.model.lm_logits(self._prefill_rows(seqs, cache, chunk))
+        last_hidden = torch.zeros(len(seqs), self.model.config.hidden_size, dtype=self.model.dtype,
+                                  device=self.model.device)  # [B, H]
+        for rows in groups:
+            part = self.model.new_cache(len(rows), max(lengths[r] for r in rows))
+            last_hidden[rows] = self._prefill_rows([seqs[r] for r in rows], part, chunk)
+            cache.copy_rows(part, rows)
+        return self.model.lm_logits(last_hidden)
+
+    def _prefill_rows(self, seqs: list[Sequence], cache: KVCache, chunk: int) -> Tensor:
+        """Right-padded, chunked prefill of every row of ``cache`` (padding rolled back).
+        Returns the final hidden state after each prompt's last token: [B, H]."""
         device = self.model.device
         lengths = [len(s.prompt) for s in seqs]
         width = max(lengths)
-        padded = torch.zeros(len(seqs), width, dtype=torch.long)
+        padded = torch.zeros(len(seqs), width, dtype=torch.long)  # [B, width]
         for i, s in enumerate(seqs):
             padded[i, : len(s.prompt)] = torch.tensor(s.prompt)
         last_hidden = torch.zeros(len(seqs), self.model.config.hidden_size, dtype=self.model.dtype, device=device)
@@ -126,7 +160,7 @@ class Engine:
                 if start <= n - 1 < start + t:
                     last_hidden[i] = out.last_hidden[i, n - 1 - start]
             cache.truncate([min(n, start + t) for n in lengths])
-        return self.model.lm_logits(last_hidden)
+        return last_hidden
 
     def first_tokens(self, logits: Tensor, seqs: list[Sequence]) -> list[int]:
         """One token per row from the prefill logits: [B, V] -> B ids."""

@@ -19,7 +19,7 @@ from specdraft.proposers import method_names
 if TYPE_CHECKING:
     from specdraft.corpus import CorpusSpec
 
-QUICK_DRAFT_LAYERS = 8  # of SmolLM2-135M's 30: a cheap draft that is still accepted often
+QUICK_DRAFT_LAYERS = 8  # of SmolLM2-135M's 30: a cheap stand-in (accepted rarely: early layers are untrained exits)
 QUICK_DATASTORE_TOKENS = 20_000_000  # as `specdraft datastore build` (the stdlib is ~3.4M tokens)
 
 

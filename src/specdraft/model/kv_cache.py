@@ -125,6 +125,19 @@ class KVCache:
             cache[:, rows, :, dst] = gathered
         self.lengths = [s + n for s, n in zip(start, n_keep)]
 
+    def copy_rows(self, source: "KVCache", rows: list[int]) -> None:
+        """Copy each row i of ``source`` (its committed positions) into row ``rows[i]`` here,
+        which then has that length; used to prefill a few rows in a smaller cache."""
+        if len(rows) != source.batch_size:
+            raise ValueError(f"copy_rows: {len(rows)} target rows for {source.batch_size} source rows")
+        for i, row in enumerate(rows):
+            n = source.lengths[i]
+            if n > self.capacity:
+                raise ContextOverflowError(f"copy_rows: a row of {n} positions does not fit a capacity of {self.capacity}")
+            self.k[:, row, :, :n] = source.k[:, i, :, :n]  # [L, Hkv, n, D]
+            self.v[:, row, :, :n] = source.v[:, i, :, :n]
+            self.lengths[row] = n
+
     def reset_row(self, row: int) -> None:
         """Free one row for a new request (continuous batching)."""
         self.lengths[row] = 0
