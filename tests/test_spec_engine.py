@@ -726,17 +726,42 @@ def test_policy_trims_drafts_whose_label_rarely_pays() -> None:
     policy = Policy(PolicyConfig(kind="adaptive", k=8), cost_table(1, per_token=0.1))
     policy.begin(0)
     weak, strong = Draft.chain(range(8), label="n2"), Draft.chain(range(8), label="n4")
-    assert policy.trim([weak, strong], 1) == [weak, strong]  # no evidence yet: untouched
+    assert policy.trim_labels([weak, strong], 1) == [weak, strong]  # no evidence yet: untouched
     for _ in range(20):
         policy.observe(0, weak, Acceptance((), (1,)))  # 2-token matches are always wrong
         policy.observe(0, strong, Acceptance(tuple(range(8)), tuple(range(9))))  # 4-token ones right
     assert policy.label_alpha("n2") < 0.1 and policy.label_alpha("n4") > 0.9
-    cut_weak, cut_strong = policy.trim([weak, strong], 1)
+    cut_weak, cut_strong = policy.trim_labels([weak, strong], 1)
     assert len(cut_weak) == 0 and cut_strong == strong
+    assert policy.trim([weak, strong], 1) == [cut_weak, cut_strong]  # the batch cut keeps what pays
     assert policy.label_alpha("n9") is None
     fixed = Policy(PolicyConfig(kind="fixed", k=8))
     fixed.observe(0, weak, Acceptance((), (1,)))
     assert fixed.trim([weak], 1) == [weak]  # the fixed policy drafts what it is given
+
+
+def test_policy_cuts_a_batch_where_few_rows_found_a_draft() -> None:
+    """The forward is as wide as the widest draft: one drafting row in eight does not pay for
+    the width, eight drafting rows do; a probe step keeps its drafts; fixed keeps everything."""
+    batch = 8
+    cost = CostModel(table={batch: {q: 1.0 + 0.2 * (q - 1) for q in range(1, 10)}})  # width costs 20%/token
+    policy = Policy(PolicyConfig(kind="adaptive", k=8), cost)
+    for row in range(batch):
+        policy.begin(row)
+        for _ in range(10):  # alpha ~0.8 for every row
+            policy.observe(row, Draft.chain(range(5)), Acceptance(tuple(range(4)), tuple(range(5))))
+    assert 0.75 < policy.alpha(0) < 0.85
+    lone = [Draft.chain(range(8))] + [Draft.empty()] * (batch - 1)
+    assert policy.batch_depth(lone, batch) == 0
+    assert all(len(d) == 0 for d in policy.trim(lone, batch))
+    full = [Draft.chain(range(8))] * batch
+    depth = policy.batch_depth(full, batch)
+    assert depth >= 3 and policy.trim(full, batch) == [d.up_to_depth(depth) for d in full]
+    # rows that are finished do not count: the one live row with a draft is the whole batch
+    assert policy.batch_depth(lone, batch, live=[True] + [False] * (batch - 1)) >= 3
+    policy.probing = True
+    assert policy.trim(lone, batch) == lone
+    assert Policy(PolicyConfig(kind="fixed", k=8)).trim(lone, batch) == lone
 
 
 def test_ngram_labels_drafts_with_the_match_length() -> None:

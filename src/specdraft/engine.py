@@ -274,7 +274,7 @@ class Engine:
         drafts = self.proposer.propose(active, budgets, cache)
         if cache.lengths != lengths:
             raise RuntimeError(f"proposer {self.proposer.name} changed the target cache's lengths")
-        drafts = self.policy.trim(drafts, len(seqs))
+        drafts = self.policy.trim(drafts, len(seqs), [not s.finished for s in seqs])
         for d, b in zip(drafts, budgets):
             if len(d) > max(b, 0):
                 raise RuntimeError(f"proposer {self.proposer.name} drafted {len(d)} tokens over a budget of {b}")

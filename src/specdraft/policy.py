@@ -16,13 +16,16 @@ While off, the policy probes (drafts ``probe_k`` tokens once every ``probe_every
 where a probe is cheap (latency(batch, 1 + probe_k) <= ``probe_cost`` x latency(batch, 1)), so
 that a request whose text becomes predictable again is noticed.
 
-After proposing, drafts are *trimmed*: a proposer may label a draft with the kind of evidence
+After proposing, drafts are *trimmed*, in two ways. First, a proposer may label a draft with the kind of evidence
 behind it (the n-gram proposer: the length of the suffix it matched). The policy keeps decayed
 accept/reject counts per label, across requests, and once a label has ``label_min`` outcomes
 it cuts that label's drafts to the depth that maximises expected tokens per second with the
 label's own alpha, down to nothing: a 2-token match in creative text is rarely worth the
-verification it costs, a 4-token match in a summary is. Trimming depends only on past
-outcomes, so it keeps the output exact.
+verification it costs, a 4-token match in a summary is. Second, all drafts are cut to the one
+depth that pays for the whole batch now that it is known which rows found a draft: the
+forward is as wide as the widest row, so at batch 32 one row's 8-token draft would make 31
+draftless rows pay for it. Trimming depends only on past outcomes and the drafts, so it keeps
+the output exact.
 """
 
 from __future__ import annotations
@@ -199,6 +202,7 @@ class Policy:
         self.evidence: dict[int, _Evidence] = {}
         self.by_label: dict[str, _Evidence] = {}  # across requests: draft label -> outcomes
         self.idle_steps = 0  # consecutive steps the adaptive policy chose not to speculate
+        self.probing = False  # the last budgets() call was a probe
         self.propose_cost = ProposeCost()  # the proposer's measured time against draft depth
 
     def prepare(self, batch: int) -> None:
@@ -223,6 +227,7 @@ class Policy:
         if self.config.kind == "fixed":
             return [min(k, c) for c in caps]
         best = self.best_length(caps, batch)
+        self.probing = False
         if best > 0:
             self.idle_steps = 0
         else:
@@ -230,6 +235,7 @@ class Policy:
             if self.idle_steps >= self.config.probe_every and self._cheap_probe(batch):
                 self.idle_steps = 0
                 best = self.config.probe_k
+                self.probing = True  # this step's drafts are for evidence: trim() keeps them
         return [min(best, c) for c in caps]
 
     def _cheap_probe(self, batch: int) -> bool:
@@ -270,12 +276,22 @@ class Policy:
             return None
         return (e.accepted + self.config.prior) / (e.accepted + e.rejected + 1.0)
 
-    def trim(self, drafts: list[Draft], batch: int) -> list[Draft]:
-        """Cut each labelled draft to the depth its label's alpha pays for (adaptive only)."""
-        if self.config.kind != "adaptive" or not self.by_label:
+    def trim(self, drafts: list[Draft], batch: int, live: Seq[bool] | None = None) -> list[Draft]:
+        """Adaptive only: cut each labelled draft to the depth its label's alpha pays for, then
+        every draft to the one depth that pays for the whole batch (``batch_depth``; not on a
+        probe step). live[row]: the row is generating (default: every row)."""
+        if self.config.kind != "adaptive":
             return drafts
+        out = self.trim_labels(drafts, batch)
+        if self.probing:
+            return out
+        depth = self.batch_depth(out, batch, live)
+        return [d.up_to_depth(depth) for d in out]
+
+    def trim_labels(self, drafts: list[Draft], batch: int) -> list[Draft]:
+        """Cut each labelled draft to the depth that maximises expected tokens per second with
+        its label's alpha (drafts whose label has too little evidence are left alone)."""
         assert self.cost is not None
-        q_max = 1 + self.config.k
         out = []
         for d in drafts:
             alpha = self.label_alpha(d.label) if d.label and len(d) else None
@@ -283,10 +299,39 @@ class Policy:
                 out.append(d)
                 continue
             depths = d.depths()
-            rate = [expected_tokens(alpha, k) / self.cost.latency(batch, 1 + sum(x <= k for x in depths), q_max)
+            rate = [expected_tokens(alpha, k) / self.cost.latency(batch, 1 + sum(x <= k for x in depths), 1 + self.config.k)
                     for k in range(max(depths) + 1)]
             out.append(d.up_to_depth(max(range(len(rate)), key=rate.__getitem__)))
         return out
+
+    def batch_depth(self, drafts: Seq[Draft], batch: int, live: Seq[bool] | None = None) -> int:
+        """The depth K to cut every draft to that maximises the batch's expected tokens per
+        second: each live row emits one token plus what its draft adds (E(alpha, min(K, its
+        depth)) - 1, alpha its label's if known, else its row's), and the forward costs
+        latency(batch, 1 + the most nodes a row keeps). The budget was chosen before the
+        proposer ran; here rows that got no draft count for nothing while the widest draft
+        still sets the cost, so a batch where few rows found a draft stops speculating."""
+        assert self.cost is not None
+        live = [True] * len(drafts) if live is None else live
+        depths = [d.depths() for d in drafts]  # per row: each node's depth
+        deepest = max((max(ds, default=0) for ds in depths), default=0)
+        if deepest == 0:
+            return 0
+        alphas = [self._draft_alpha(row, d) for row, d in enumerate(drafts)]
+        rows = [(a, max(ds)) for a, ds, on in zip(alphas, depths, live) if on and ds]
+        base = float(sum(live))
+        best, best_rate = 0, base / self.cost.latency(batch, 1, 1 + self.config.k)
+        for k in range(1, deepest + 1):
+            gain = base + sum(expected_tokens(a, min(k, depth)) - 1.0 for a, depth in rows)
+            width = max(sum(x <= k for x in ds) for ds in depths)
+            rate = gain / self.cost.latency(batch, 1 + width, 1 + self.config.k)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
+    def _draft_alpha(self, row: int, d: Draft) -> float:
+        alpha = self.label_alpha(d.label) if d.label else None
+        return self.alpha(row) if alpha is None else alpha
 
     def observe_propose_time(self, depth: int, seconds: float) -> None:
         """One drafting step took ``seconds`` for drafts at most ``depth`` deep."""
