@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true",
                    help="a quick run (a few minutes on 2 CPU cores): every registered method with settings that "
                         "work out of the box (draft: the target's first 8 layers exported as a draft model; rest: "
-                        "the standard-library datastore, built once), on summarization, code, math and chat, one "
+                        "the standard-library datastore, built once), on repeat, code, math and chat, one "
                         "prompt at batch 1 and one batch of 8, 32 new tokens; options given explicitly still win")
     b.add_argument("--methods", default=None,
                    help="comma-separated methods; settings after a colon, separated by '+', e.g. "
@@ -224,7 +224,7 @@ def _workload_names() -> list[str]:
     return list(WORKLOADS)
 
 
-QUICK_WORKLOADS = "summarization,code,math,chat"  # copying, code, reasoning, conversation: a few minutes
+QUICK_WORKLOADS = "repeat,code,math,chat"  # copying, code, reasoning, conversation: short prompts, a few minutes
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
