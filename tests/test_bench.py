@@ -543,6 +543,8 @@ def test_bench_command_writes_results_and_report(tiny_gguf, mine_jsonl, tmp_path
     assert {(r["method"], r["workload"]) for r in results["rows"]} == {
         (m, w) for m in ("plain", "ngram:k=4,policy=fixed") for w in ("mine", "mixed")}
     assert (out / "report.md").read_text() in stdout and "results:" in stdout
+    if any(out.glob("*.png")):  # matplotlib installed: the plots are named
+        assert f"plots:   {out}/" in stdout and "tau_histogram.png" in stdout
 
 
 @pytest.mark.parametrize(

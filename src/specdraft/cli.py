@@ -258,6 +258,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     path = write_report(Path(cfg.out), results)
     print(path.read_text())
     print(f"results: {Path(cfg.out) / 'results.json'}\nreport:  {path}")
+    plots = sorted(p.name for p in Path(cfg.out).glob("*.png"))
+    if plots:
+        print(f"plots:   {Path(cfg.out)}/ ({', '.join(plots)})")
     return 0
 
 
