@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from bisect import bisect_right
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Literal
@@ -313,17 +314,17 @@ class Policy:
         still sets the cost, so a batch where few rows found a draft stops speculating."""
         assert self.cost is not None
         live = [True] * len(drafts) if live is None else live
-        depths = [d.depths() for d in drafts]  # per row: each node's depth
-        deepest = max((max(ds, default=0) for ds in depths), default=0)
+        depths = [sorted(d.depths()) for d in drafts]  # per row: its nodes' depths, ascending
+        deepest = max((ds[-1] for ds in depths if ds), default=0)
         if deepest == 0:
             return 0
         alphas = [self._draft_alpha(row, d) for row, d in enumerate(drafts)]
-        rows = [(a, max(ds)) for a, ds, on in zip(alphas, depths, live) if on and ds]
+        rows = [(a, ds[-1]) for a, ds, on in zip(alphas, depths, live) if on and ds]
         base = float(sum(live))
         best, best_rate = 0, base / self.cost.latency(batch, 1, 1 + self.config.k)
         for k in range(1, deepest + 1):
             gain = base + sum(expected_tokens(a, min(k, depth)) - 1.0 for a, depth in rows)
-            width = max(sum(x <= k for x in ds) for ds in depths)
+            width = max(bisect_right(ds, k) for ds in depths)  # nodes kept by the widest row
             rate = gain / self.cost.latency(batch, 1 + width, 1 + self.config.k)
             if rate > best_rate:
                 best, best_rate = k, rate
