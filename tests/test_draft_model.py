@@ -62,7 +62,8 @@ def context(target: LoadedModel, k: int = 4) -> ProposerContext:
 
 def engine(target: LoadedModel, proposer: Proposer, k: int = 4, policy: str = "fixed", batch: int = 4) -> Engine:
     cost = CostModel(table={batch: {q: 1.0 + 0.001 * (q - 1) for q in range(1, k + 2)}}) if policy == "adaptive" else None
-    return Engine(target.model, target.tokenizer, proposer, Policy(PolicyConfig(kind=policy, k=k), cost))
+    config = PolicyConfig(kind=policy, k=k, objective="throughput")  # drafts for every row that finds one
+    return Engine(target.model, target.tokenizer, proposer, Policy(config, cost))
 
 
 def run(setup: Setup, proposer: Proposer, **kw: object) -> SpecStats:
@@ -161,6 +162,22 @@ def test_draft_cache_rolls_back_to_the_accepted_prefix(setup: Setup, tiny_hf: Pa
         rec = Recorder(make_proposer("draft", {"path": str(path)}, context(setup.target)))  # type: ignore[arg-type]
         run(setup, rec)
         assert rec.checked > 10
+
+
+def test_fresh_rows_caught_up_in_groups_draft_as_one_padded_batch(setup: Setup, tiny_hf: Path) -> None:
+    """Fresh rows of very different lengths are caught up in groups in caches of their own:
+    the drafts (and so the counts) are those of one padded batch, and the target as its own
+    draft is still accepted throughout (a row copied into the wrong place would not be)."""
+    lengths = sorted(len(p) for p in setup.prompts)
+    assert lengths[-1] > 4 * lengths[0]  # the setup's prompts are ragged enough to be split
+    draft = load(tiny_hf).model
+    vocab = setup.target.model.config.vocab_size
+    stats = []
+    for budget in (10_000, lengths[-1]):  # one group; then the longest prompt alone
+        proposer = DraftModelProposer(draft, vocab, max_draft=4, group_tokens=budget)
+        stats.append(run(setup, proposer))
+    assert stats[1].proposed == stats[0].proposed and stats[1].accepted == stats[0].accepted
+    assert stats[1].acceptance_rate >= 0.95
 
 
 # =========================================================================== refused drafts

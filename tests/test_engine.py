@@ -5,7 +5,8 @@ import copy
 import pytest
 import torch
 
-from specdraft.engine import Engine, prefill_groups
+from specdraft.batching import prefill_groups
+from specdraft.engine import Engine
 from specdraft.errors import ContextOverflowError, SpecdraftError
 from specdraft.model.loader import load
 from specdraft.sampling import Sampling

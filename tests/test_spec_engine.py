@@ -23,7 +23,7 @@ from specdraft.engine import Engine
 from specdraft.errors import ModelFileError, SpecdraftError
 from specdraft.metrics import SpecStats
 from specdraft.model.loader import LoadedModel, default_model_path, load
-from specdraft.policy import CostModel, Policy, PolicyConfig, expected_tokens
+from specdraft.policy import CostModel, Policy, PolicyConfig, expected_tokens, progress
 from specdraft.proposers import make_proposer
 from specdraft.proposers.base import Proposer
 from specdraft.proposers.ngram import NgramConfig, NgramIndex, NgramProposer, continuation
@@ -98,7 +98,10 @@ def cost_table(batch: int, per_token: float = 0.001, k: int = 8) -> CostModel:
 
 def spec_engine(loaded: LoadedModel, proposer: Proposer, k: int, policy: str = "fixed", batch: int = 1) -> Engine:
     cost = cost_table(batch, k=k) if policy == "adaptive" else None
-    return Engine(loaded.model, loaded.tokenizer, proposer, Policy(PolicyConfig(kind=policy, k=k), cost))
+    # throughput: keep drafting for the rows that can while others cannot, so that the ragged
+    # batches of the equivalence tests accept enough to mean something
+    config = PolicyConfig(kind=policy, k=k, objective="throughput")
+    return Engine(loaded.model, loaded.tokenizer, proposer, Policy(config, cost))
 
 
 # =========================================================================== greedy equivalence
@@ -375,6 +378,8 @@ def test_adaptive_policy_needs_a_cost_model() -> None:
         Policy(PolicyConfig(kind="adaptive"))
     with pytest.raises(SpecdraftError):
         PolicyConfig(kind="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(SpecdraftError, match="objective"):
+        PolicyConfig(objective="latency")  # type: ignore[arg-type]
 
 
 def _near_full_prompt(loaded: LoadedModel) -> list[int]:
@@ -762,6 +767,48 @@ def test_policy_cuts_a_batch_where_few_rows_found_a_draft() -> None:
     policy.probing = True
     assert policy.trim(lone, batch) == lone
     assert Policy(PolicyConfig(kind="fixed", k=8)).trim(lone, batch) == lone
+
+
+def test_static_batch_policy_follows_its_slowest_row() -> None:
+    """In a static batch the slowest row sets the end: with one row that never accepts and as
+    much left to do as the others, speculating only adds cost (0 drafts, and every draft cut);
+    once that row is nearly done, the other rows' drafts pay again. Without remaining counts
+    (throughput) the seven good rows pay for the width."""
+    batch = 8
+    cost = CostModel(table={batch: {q: 1.0 + 0.1 * (q - 1) for q in range(1, 10)}})  # width costs 10%/token
+    policy = Policy(PolicyConfig(kind="adaptive", k=8), cost)
+    for row in range(batch):
+        policy.begin(row)
+        for _ in range(10):
+            if row == 0:  # row 0: every draft rejected
+                policy.observe(row, Draft.chain(range(5)), Acceptance((), (1,)))
+            else:  # the others: alpha ~0.8
+                policy.observe(row, Draft.chain(range(5)), Acceptance(tuple(range(4)), tuple(range(5))))
+    assert policy.alpha(0) < 0.1 < 0.75 < policy.alpha(1)
+    caps = [8] * batch
+    assert policy.best_length(caps, batch) >= 3  # throughput
+    assert policy.best_length(caps, batch, remaining=[40] * batch) == 0
+    assert policy.best_length(caps, batch, remaining=[2] + [40] * (batch - 1)) >= 3
+    drafts = [Draft.chain(range(8))] * batch
+    assert policy.batch_depth(drafts, batch) >= 3
+    assert policy.batch_depth(drafts, batch, remaining=[40] * batch) == 0
+    assert policy.batch_depth(drafts, batch, remaining=[2] + [40] * (batch - 1)) >= 3
+    # a finished row is not the slowest one
+    live = [False] + [True] * (batch - 1)
+    assert policy.batch_depth(drafts, batch, live, remaining=[0] + [40] * (batch - 1)) >= 3
+    assert policy.trim(drafts, batch, [True] * batch, [40] * batch) == [Draft.empty()] * batch
+    throughput = Policy(PolicyConfig(kind="adaptive", k=8, objective="throughput"), cost)
+    throughput.evidence, throughput.by_label = policy.evidence, policy.by_label
+    assert throughput.budgets(caps, batch, [40] * batch)[1] >= 3  # remaining counts ignored
+    assert throughput.trim(drafts, batch, [True] * batch, [40] * batch)[1] == drafts[1].up_to_depth(
+        throughput.batch_depth(drafts, batch))
+
+
+def test_progress_is_throughput_or_the_slowest_rows_share() -> None:
+    assert progress([1.0, 3.0], None) == 4.0
+    assert progress([1.0, 3.0], [10, 10]) == pytest.approx(0.1)
+    assert progress([1.0, 3.0], [1, 30]) == pytest.approx(0.1)
+    assert progress([], [1]) == 0.0
 
 
 def test_ngram_labels_drafts_with_the_match_length() -> None:

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from specdraft.accept import Acceptance, accept
+from specdraft.batching import PREFILL_CHUNK, PREFILL_TOKENS, prefill_groups
 from specdraft.draft import Draft, verify_inputs
 from specdraft.errors import ContextOverflowError, SpecdraftError
 from specdraft.metrics import SpecStats
@@ -25,23 +26,6 @@ from specdraft.policy import Policy, PolicyConfig
 from specdraft.proposers.base import NoDraft, Proposer, Verified
 from specdraft.sampling import GREEDY, Sampling, make_generator, next_tokens
 from specdraft.sequence import GenerationConfig, Sequence
-
-PREFILL_CHUNK = 512  # prompt tokens per forward during prefill (bounds the attention scores' memory)
-PREFILL_TOKENS = 8192  # padded prompt tokens (rows x longest prompt) prefilled together
-
-
-def prefill_groups(lengths: list[int], budget: int = PREFILL_TOKENS) -> list[list[int]]:
-    """Rows prefilled together, longest prompts first: a group takes rows while its size times
-    its longest prompt stays within ``budget`` (at least one row). Rows of similar length end up
-    together, so padding stays small; a batch of short prompts stays one group."""
-    order = sorted(range(len(lengths)), key=lambda r: -lengths[r])
-    groups: list[list[int]] = []
-    for r in order:
-        if groups and (len(groups[-1]) + 1) * max(1, lengths[groups[-1][0]]) <= budget:
-            groups[-1].append(r)
-        else:
-            groups.append([r])
-    return groups
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,7 +248,7 @@ class Engine:
         running = [n for n, s in zip(cache.lengths, seqs) if not s.finished]
         free = cache.capacity - 1 - max(running, default=0)  # positions left after the root token
         caps = [0 if s.finished else max(0, min(s.room - 1, free)) for s in seqs]
-        return self.policy.budgets(caps, len(seqs))
+        return self.policy.budgets(caps, len(seqs), remaining(seqs))
 
     def _propose(self, seqs: list[Sequence], budgets: list[int], cache: KVCache) -> list[Draft]:
         if not self.speculative:
@@ -274,7 +258,7 @@ class Engine:
         drafts = self.proposer.propose(active, budgets, cache)
         if cache.lengths != lengths:
             raise RuntimeError(f"proposer {self.proposer.name} changed the target cache's lengths")
-        drafts = self.policy.trim(drafts, len(seqs), [not s.finished for s in seqs])
+        drafts = self.policy.trim(drafts, len(seqs), [not s.finished for s in seqs], remaining(seqs))
         for d, b in zip(drafts, budgets):
             if len(d) > max(b, 0):
                 raise RuntimeError(f"proposer {self.proposer.name} drafted {len(d)} tokens over a budget of {b}")
@@ -294,6 +278,12 @@ class Engine:
         positions = lengths + torch.stack([r[1] for r in rows]).to(device)  # [B, 1 + W]
         mask = torch.stack([r[2] for r in rows]).to(device)  # [B, 1 + W, 1 + W]
         return self.model(tokens, positions, cache, mask=mask)
+
+
+def remaining(seqs: list[Sequence]) -> list[int]:
+    """Tokens each row may still emit (0 once finished). The batch is static (it ends with its
+    last row), so the policy weighs drafts by how much sooner the batch ends (policy doc)."""
+    return [0 if s.finished else s.room for s in seqs]
 
 
 def commit(cache: KVCache, before: list[int], drafts: list[Draft], results: list[Acceptance | None]) -> None:

@@ -5,12 +5,19 @@ alpha: decaying counts of accepted and rejected draft positions over the request
 drafts, plus a cautious prior. With alpha, a draft of k tokens is expected to emit
 E(k) = (1 - alpha^(k+1)) / (1 - alpha) tokens per target pass (bonus included). A cost model
 gives the measured latency of one target forward over q new tokens per row at the current
-batch size. Each step the policy picks the draft length K that maximises expected tokens per
-second for the whole batch,
+batch size. Each step the policy picks the draft length K that makes the batch progress
+fastest per second of (verification + proposing) time, and K = 0 (plain decoding) whenever
+speculation would not pay. What "progress" means depends on how the batch is run:
 
-    sum_rows E_row(K) / (latency(batch, 1 + K) + propose_cost(K)),
+- a *static* batch (``Engine.generate``: every row runs to its end, and the batch ends with its
+  last row) finishes when its slowest row does. The caller passes each row's remaining tokens
+  r and, with ``objective="batch-end"`` (the default), the policy minimises the time to the
+  end, cost(K) * max_rows r_row / E_row(K): a row that nobody can draft for sets the pace,
+  and speeding the others up only adds cost.
+- a *continuously refilled* batch (``objective="throughput"``, or no remaining counts) is
+  measured by throughput, sum_rows E_row(K) / cost(K).
 
-and K = 0 (plain decoding) whenever speculation would not pay: at large batch the
+At large batch the
 verification of extra tokens is no longer free, so speculation switches itself off there.
 While off, the policy probes (drafts ``probe_k`` tokens once every ``probe_every`` steps) only
 where a probe is cheap (latency(batch, 1 + probe_k) <= ``probe_cost`` x latency(batch, 1)), so
@@ -49,10 +56,14 @@ from specdraft.model.transformer import Transformer
 class PolicyConfig:
     """kind: "fixed" always drafts k tokens; "adaptive" chooses 0..k per step (see module doc).
     decay: weight kept by older draft outcomes at each new one. prior: alpha before any
-    evidence (worth one draft position). probe_every / probe_cost: see the module doc."""
+    evidence (worth one draft position). probe_every / probe_cost: see the module doc.
+    objective: "batch-end" weighs a step by how much sooner a static batch ends (when the
+    caller passes remaining tokens; ``Engine.generate`` does), "throughput" by the tokens it
+    emits (for a batch that is refilled as rows finish)."""
 
     kind: Literal["fixed", "adaptive"] = "adaptive"
     k: int = 8
+    objective: Literal["batch-end", "throughput"] = "batch-end"
     decay: float = 0.9
     prior: float = 0.5
     probe_every: int = 8
@@ -66,6 +77,8 @@ class PolicyConfig:
             raise SpecdraftError(f"draft length k must be an integer in 1..256, got {self.k!r}")
         if not 0 < self.decay < 1 or not 0 < self.prior < 1:
             raise SpecdraftError("policy decay and prior must be in (0, 1)")
+        if self.objective not in ("batch-end", "throughput"):
+            raise SpecdraftError(f"policy objective must be 'batch-end' or 'throughput', got {self.objective!r}")
         if self.probe_every < 1 or self.probe_cost < 1:
             raise SpecdraftError("probe_every must be >= 1 and probe_cost >= 1")
 
@@ -136,6 +149,18 @@ def measure_latency(model: Transformer, batch: int, qs: Seq[int], prefix: int = 
                 times.append(time.perf_counter() - t0)
         out[q] = statistics.median(times)
     return out
+
+
+def progress(expected: Seq[float], remaining: Seq[int] | None) -> float:
+    """How fast a batch moves in one step where live row i emits expected[i] tokens: the sum
+    (throughput) without ``remaining``; with it (a static batch, r[i] tokens left per row), the
+    share of its remaining work the slowest row does, min_i expected[i] / r[i], so that
+    progress / cost is the inverse of the time to the batch's end."""
+    if not expected:
+        return 0.0
+    if remaining is None:
+        return float(sum(expected))
+    return min(e / max(r, 1) for e, r in zip(expected, remaining))
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -221,13 +246,14 @@ class Policy:
         e = self.evidence.get(row, _Evidence())
         return (e.accepted + self.config.prior) / (e.accepted + e.rejected + 1.0)
 
-    def budgets(self, caps: Seq[int], batch: int) -> list[int]:
+    def budgets(self, caps: Seq[int], batch: int, remaining: Seq[int] | None = None) -> list[int]:
         """Draft length per row. caps[row]: the most that row may draft (0 = idle/finished).
-        batch: rows in the target forward (its cost depends on it)."""
+        batch: rows in the target forward (its cost depends on it). remaining[row]: tokens the
+        row may still emit, for a static batch (see the module doc); None = throughput."""
         k = self.config.k
         if self.config.kind == "fixed":
             return [min(k, c) for c in caps]
-        best = self.best_length(caps, batch)
+        best = self.best_length(caps, batch, self._remaining(remaining))
         self.probing = False
         if best > 0:
             self.idle_steps = 0
@@ -239,22 +265,30 @@ class Policy:
                 self.probing = True  # this step's drafts are for evidence: trim() keeps them
         return [min(best, c) for c in caps]
 
+    def _remaining(self, remaining: Seq[int] | None) -> Seq[int] | None:
+        """The remaining counts the objective uses (none for throughput)."""
+        return remaining if self.config.objective == "batch-end" else None
+
     def _cheap_probe(self, batch: int) -> bool:
         assert self.cost is not None
         q_max = 1 + self.config.k
         ratio = self.cost.latency(batch, 1 + self.config.probe_k, q_max) / self.cost.latency(batch, 1, q_max)
         return ratio <= self.config.probe_cost
 
-    def best_length(self, caps: Seq[int], batch: int) -> int:
+    def best_length(self, caps: Seq[int], batch: int, remaining: Seq[int] | None = None) -> int:
+        """The K in 0..k with the most progress per second (see the module doc). A row with
+        caps 0 is not generating (when ``remaining`` is given, a live row with remaining > 0
+        but caps 0 still counts, as a row that emits one token per step)."""
         assert self.cost is not None
-        live = [(row, c) for row, c in enumerate(caps) if c > 0]
-        if not live:
+        live = [row for row, c in enumerate(caps) if c > 0 or (remaining is not None and remaining[row] > 0)]
+        if not any(caps[row] > 0 for row in live):
             return 0
         q_max = 1 + self.config.k
-        alphas = [(self.alpha(row), c) for row, c in live]
+        alphas = [(self.alpha(row), caps[row]) for row in live]
+        left = None if remaining is None else [remaining[row] for row in live]
         best, best_rate = 0, 0.0
         for k in range(0, self.config.k + 1):
-            gain = sum(expected_tokens(a, min(k, c)) for a, c in alphas)
+            gain = progress([expected_tokens(a, min(k, c)) for a, c in alphas], left)
             cost = self.cost.latency(batch, 1 + k, q_max) + self.propose_cost.estimate(k)
             if gain / cost > best_rate:
                 best, best_rate = k, gain / cost
@@ -277,16 +311,18 @@ class Policy:
             return None
         return (e.accepted + self.config.prior) / (e.accepted + e.rejected + 1.0)
 
-    def trim(self, drafts: list[Draft], batch: int, live: Seq[bool] | None = None) -> list[Draft]:
+    def trim(self, drafts: list[Draft], batch: int, live: Seq[bool] | None = None,
+             remaining: Seq[int] | None = None) -> list[Draft]:
         """Adaptive only: cut each labelled draft to the depth its label's alpha pays for, then
         every draft to the one depth that pays for the whole batch (``batch_depth``; not on a
-        probe step). live[row]: the row is generating (default: every row)."""
+        probe step). live[row]: the row is generating (default: every row); remaining: as for
+        ``budgets``."""
         if self.config.kind != "adaptive":
             return drafts
         out = self.trim_labels(drafts, batch)
         if self.probing:
             return out
-        depth = self.batch_depth(out, batch, live)
+        depth = self.batch_depth(out, batch, live, self._remaining(remaining))
         return [d.up_to_depth(depth) for d in out]
 
     def trim_labels(self, drafts: list[Draft], batch: int) -> list[Draft]:
@@ -305,13 +341,14 @@ class Policy:
             out.append(d.up_to_depth(max(range(len(rate)), key=rate.__getitem__)))
         return out
 
-    def batch_depth(self, drafts: Seq[Draft], batch: int, live: Seq[bool] | None = None) -> int:
-        """The depth K to cut every draft to that maximises the batch's expected tokens per
-        second: each live row emits one token plus what its draft adds (E(alpha, min(K, its
-        depth)) - 1, alpha its label's if known, else its row's), and the forward costs
+    def batch_depth(self, drafts: Seq[Draft], batch: int, live: Seq[bool] | None = None,
+                    remaining: Seq[int] | None = None) -> int:
+        """The depth K to cut every draft to that makes the batch progress fastest per second
+        (``progress``): each live row emits E(alpha, min(K, its depth)) tokens (alpha its
+        label's if known, else its row's; 1 for a row without a draft), and the forward costs
         latency(batch, 1 + the most nodes a row keeps). The budget was chosen before the
-        proposer ran; here rows that got no draft count for nothing while the widest draft
-        still sets the cost, so a batch where few rows found a draft stops speculating."""
+        proposer ran; here rows that got no draft gain nothing while the widest draft still
+        sets the cost, so a batch where few rows found a draft stops speculating."""
         assert self.cost is not None
         live = [True] * len(drafts) if live is None else live
         depths = [sorted(d.depths()) for d in drafts]  # per row: its nodes' depths, ascending
@@ -319,11 +356,11 @@ class Policy:
         if deepest == 0:
             return 0
         alphas = [self._draft_alpha(row, d) for row, d in enumerate(drafts)]
-        rows = [(a, ds[-1]) for a, ds, on in zip(alphas, depths, live) if on and ds]
-        base = float(sum(live))
-        best, best_rate = 0, base / self.cost.latency(batch, 1, 1 + self.config.k)
+        rows = [(a, ds[-1] if ds else 0) for a, ds, on in zip(alphas, depths, live) if on]
+        left = None if remaining is None else [r for r, on in zip(remaining, live) if on]
+        best, best_rate = 0, progress([1.0] * len(rows), left) / self.cost.latency(batch, 1, 1 + self.config.k)
         for k in range(1, deepest + 1):
-            gain = base + sum(expected_tokens(a, min(k, depth)) - 1.0 for a, depth in rows)
+            gain = progress([expected_tokens(a, min(k, depth)) for a, depth in rows], left)
             width = max(bisect_right(ds, k) for ds in depths)  # nodes kept by the widest row
             rate = gain / self.cost.latency(batch, 1 + width, 1 + self.config.k)
             if rate > best_rate:

@@ -5,8 +5,11 @@ and values of a prefix of that row's ``seq.tokens``. At each ``propose``:
 
 1. catch up: feed the tokens the draft has not seen (a row's prompt and first token the first
    time; afterwards the bonus token, after the last drafted token when the whole chain was
-   accepted), all drafting rows in one right-padded, ragged batch (in chunks, like the
-   engine's prefill), keeping each row's real tokens only;
+   accepted), in one right-padded, ragged batch (in chunks, like the engine's prefill),
+   keeping each row's real tokens only. Fresh rows (nothing cached yet) whose backlogs differ
+   in length are fed first, in groups of similar length in caches of their own that are then
+   copied in (``prefill_groups``, as the engine's prefill), so that one long prompt does not
+   make every row compute its length;
 2. draft the chains, one forward per level for all rows (:mod:`.autoregressive`).
 
 ``observe`` rolls the row back to its context plus the drafted tokens that were accepted; the
@@ -27,6 +30,7 @@ from torch import Tensor
 
 from specdraft.accept import Acceptance
 from specdraft.draft import Draft
+from specdraft.batching import PREFILL_TOKENS, prefill_groups
 from specdraft.errors import SpecdraftError, VocabularyMismatchError
 from specdraft.model.kv_cache import KVCache
 from specdraft.model.linear import Linear
@@ -72,9 +76,11 @@ class _Pending:
 class DraftModelProposer:
     name = "draft"
 
-    def __init__(self, draft: Transformer, vocab: int, branches: int = 1, max_draft: int = 8) -> None:
+    def __init__(self, draft: Transformer, vocab: int, branches: int = 1, max_draft: int = 8,
+                 group_tokens: int = PREFILL_TOKENS) -> None:
         """draft: the draft model; vocab: the target's logits width; max_draft: the longest draft
-        the policy asks for (sizes the cache)."""
+        the policy asks for (sizes the cache); group_tokens: the padded-token budget of a group
+        of fresh rows caught up together (``prefill_groups``)."""
         if draft.config.vocab_size > vocab:
             raise VocabularyMismatchError(
                 f"the draft model has {draft.config.vocab_size} logits, more than the target's {vocab}"
@@ -83,6 +89,7 @@ class DraftModelProposer:
         self.vocab = vocab
         self.branches = branches
         self.max_draft = max_draft
+        self.group_tokens = group_tokens
         self.cache: KVCache | None = None
         self.capacity: dict[int, int] = {}  # row -> positions its request may use
         self.pending: dict[int, _Pending] = {}
@@ -147,6 +154,29 @@ class DraftModelProposer:
         todo = [s.tokens[n:] if s is not None else [] for s, n in zip(seqs, lengths)]
         hidden = torch.zeros(len(seqs), self.draft.config.hidden_size, dtype=self.draft.dtype, device=self.draft.device)
         done = [False] * len(seqs)
+        fresh = [r for r, (t, n) in enumerate(zip(todo, lengths)) if t and n == 0]
+        groups = [[fresh[i] for i in g] for g in prefill_groups([len(todo[r]) for r in fresh], self.group_tokens)]
+        if len(groups) > 1 or (fresh and len(fresh) < sum(1 for t in todo if t)):
+            for rows in groups:  # in a cache of their own, then copied in
+                self._feed_group(cache, rows, todo, hidden, done)
+            todo = [[] if r in fresh else t for r, t in enumerate(todo)]
+        self._feed(cache, todo, hidden, done)
+        return self.draft.lm_logits(hidden), done
+
+    def _feed_group(self, cache: KVCache, rows: list[int], todo: list[list[int]], hidden: Tensor,
+                    done: list[bool]) -> None:
+        """Catch up fresh ``rows`` in a cache of their own, then copy it into theirs."""
+        part = self.draft.new_cache(len(rows), min(cache.capacity, max(len(todo[r]) for r in rows)))
+        part_hidden = torch.zeros(len(rows), hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)  # [G, H]
+        part_done = [False] * len(rows)
+        self._feed(part, [todo[r] for r in rows], part_hidden, part_done)
+        cache.copy_rows(part, rows)
+        hidden[rows] = part_hidden
+        for r, ok in zip(rows, part_done):
+            done[r] = ok
+
+    def _feed(self, cache: KVCache, todo: list[list[int]], hidden: Tensor, done: list[bool]) -> None:
+        """Feed every row's backlog ``todo[row]`` in right-padded chunks (see ``_feed_chunk``)."""
         start = 0
         while any(len(t) > start for t in todo):
             width = min(CATCH_UP_CHUNK, max(len(t) for t in todo) - start, cache.capacity - max(cache.lengths))
@@ -154,7 +184,6 @@ class DraftModelProposer:
                 break
             self._feed_chunk(cache, todo, start, width, hidden, done)
             start += width
-        return self.draft.lm_logits(hidden), done
 
     def _feed_chunk(self, cache: KVCache, todo: list[list[int]], start: int, width: int, hidden: Tensor,
                     done: list[bool]) -> None:
