@@ -23,7 +23,7 @@ from specdraft.engine import Engine
 from specdraft.errors import ModelFileError, SpecdraftError
 from specdraft.metrics import SpecStats
 from specdraft.model.loader import LoadedModel, default_model_path, load
-from specdraft.policy import CostModel, Policy, PolicyConfig, expected_tokens, progress
+from specdraft.policy import PROBE_GAP_MAX, CostModel, Policy, PolicyConfig, expected_tokens, progress
 from specdraft.proposers import make_proposer
 from specdraft.proposers.base import Proposer
 from specdraft.proposers.ngram import NgramConfig, NgramIndex, NgramProposer, continuation
@@ -572,8 +572,25 @@ def test_adaptive_probes_only_where_cheap() -> None:
     cheap = Policy(config, cost_table(1, per_token=0.1))
     cheap.begin(0)
     _evidence(cheap, 0, 50, accepted=0)
-    chosen = [cheap.budgets([8], 1)[0] for _ in range(8)]
-    assert chosen == [0, 0, 0, config.probe_k, 0, 0, 0, config.probe_k]
+    probe = Draft.chain(range(config.probe_k))
+    missed, paid = Acceptance((), (1,)), Acceptance((0,), (0, 1))
+    assert [cheap.budgets([8], 1)[0] for _ in range(4)] == [0, 0, 0, config.probe_k]
+    cheap.observe(0, probe, missed)  # found nothing: wait twice as long
+    assert [cheap.budgets([8], 1)[0] for _ in range(8)] == [0] * 7 + [config.probe_k]
+    cheap.observe(0, probe, missed)
+    assert [cheap.budgets([8], 1)[0] for _ in range(16)] == [0] * 15 + [config.probe_k]
+    cheap.observe(0, probe, paid)  # paid: back to the configured wait
+    cheap.budgets([8], 1)
+    assert cheap.probe_gap == config.probe_every
+    never = Policy(config, cost_table(1, per_token=0.1))  # probes that never pay: up to PROBE_GAP_MAX
+    never.begin(0)
+    _evidence(never, 0, 50, accepted=0)
+    probes = []
+    for step in range(600):
+        if never.budgets([8], 1)[0] > 0:
+            probes.append(step)
+            never.observe(0, probe, missed)
+    assert [b - a for a, b in zip(probes, probes[1:])][-3:] == [PROBE_GAP_MAX] * 3
     dear = Policy(config, cost_table(64, per_token=1.0))
     dear.begin(0)
     _evidence(dear, 0, 50, accepted=0)
@@ -802,6 +819,28 @@ def test_static_batch_policy_follows_its_slowest_row() -> None:
     assert throughput.budgets(caps, batch, [40] * batch)[1] >= 3  # remaining counts ignored
     assert throughput.trim(drafts, batch, [True] * batch, [40] * batch)[1] == drafts[1].up_to_depth(
         throughput.batch_depth(drafts, batch))
+
+
+def test_new_requests_start_from_the_pooled_alpha_of_earlier_ones() -> None:
+    """The first requests start at the configured prior; once earlier requests' drafts were
+    (almost) all rejected, a new request starts pessimistic and does not draft at once, and
+    once they were accepted, optimistic."""
+    cost = cost_table(1, per_token=0.3)
+    policy = Policy(PolicyConfig(kind="adaptive", k=8, prior=0.5, probe_every=100), cost)
+    policy.begin(0)
+    assert policy.alpha(0) == 0.5 and policy.budgets([8], 1)[0] > 0
+    for _ in range(12):
+        policy.observe(0, Draft.chain(range(4)), Acceptance((), (1,)))
+    policy.end(0)
+    policy.begin(1)
+    assert policy.alpha(1) == pytest.approx(policy.pooled_alpha()) and policy.alpha(1) < 0.1
+    assert policy.budgets([0, 8], 1) == [0, 0]
+    for _ in range(40):
+        policy.observe(1, Draft.chain(range(4)), Acceptance(tuple(range(4)), tuple(range(5))))
+    policy.end(1)
+    policy.begin(2)
+    assert policy.alpha(2) > 0.75 and policy.budgets([0, 0, 8], 1)[2] >= 4
+    assert Policy(PolicyConfig(kind="adaptive", k=8, prior=0.3), cost).pooled_alpha() == 0.3
 
 
 def test_progress_is_throughput_or_the_slowest_rows_share() -> None:

@@ -2,7 +2,9 @@
 
 The adaptive policy keeps, per request, an estimate of the per-token acceptance probability
 alpha: decaying counts of accepted and rejected draft positions over the request's recent
-drafts, plus a cautious prior. With alpha, a draft of k tokens is expected to emit
+drafts, plus a prior worth one draft position: ``prior`` for the first requests, then the
+alpha of every earlier request's outcomes pooled (decayed), so that a method that is rarely
+accepted on this traffic does not pay for optimistic first drafts in every new request. With alpha, a draft of k tokens is expected to emit
 E(k) = (1 - alpha^(k+1)) / (1 - alpha) tokens per target pass (bonus included). A cost model
 gives the measured latency of one target forward over q new tokens per row at the current
 batch size. Each step the policy picks the draft length K that makes the batch progress
@@ -19,9 +21,11 @@ speculation would not pay. What "progress" means depends on how the batch is run
 
 At large batch the
 verification of extra tokens is no longer free, so speculation switches itself off there.
-While off, the policy probes (drafts ``probe_k`` tokens once every ``probe_every`` steps) only
+While off, the policy probes (drafts ``probe_k`` tokens after ``probe_every`` idle steps) only
 where a probe is cheap (latency(batch, 1 + probe_k) <= ``probe_cost`` x latency(batch, 1)), so
-that a request whose text becomes predictable again is noticed.
+that a request whose text becomes predictable again is noticed. A probe that no row accepts
+any of doubles the wait before the next (up to ``PROBE_GAP_MAX`` steps); one that pays resets
+it: on traffic that never accepts, probing costs little.
 
 After proposing, drafts are *trimmed*, in two ways. First, a proposer may label a draft with the kind of evidence
 behind it (the n-gram proposer: the length of the suffix it matched). The policy keeps decayed
@@ -68,7 +72,8 @@ class PolicyConfig:
     prior: float = 0.5
     probe_every: int = 8
     probe_cost: float = 1.6
-    label_min: float = 8.0  # outcomes a draft label needs before its own alpha trims its drafts
+    label_min: float = 8.0  # outcomes a draft label needs before its own alpha trims its drafts (and
+    # all requests pooled before their alpha replaces `prior` for new requests)
 
     def __post_init__(self) -> None:
         if self.kind not in ("fixed", "adaptive"):
@@ -209,8 +214,18 @@ class ProposeCost:
 class _Evidence:
     accepted: float = 0.0
     rejected: float = 0.0
+    prior: float | None = None  # the alpha before any evidence (None: the config's)
+
+    @property
+    def outcomes(self) -> float:
+        return self.accepted + self.rejected
+
+    def alpha(self, prior: float) -> float:
+        p = prior if self.prior is None else self.prior
+        return (self.accepted + p) / (self.accepted + self.rejected + 1.0)
 
 
+PROBE_GAP_MAX = 64  # the longest wait between probes (steps), after probes that found nothing
 LABEL_DECAY = 0.98  # per-label evidence is pooled over many requests: it may remember longer
 
 
@@ -227,8 +242,11 @@ class Policy:
         self.cost = cost
         self.evidence: dict[int, _Evidence] = {}
         self.by_label: dict[str, _Evidence] = {}  # across requests: draft label -> outcomes
+        self.pooled = _Evidence()  # across requests: every outcome (the prior of new requests)
         self.idle_steps = 0  # consecutive steps the adaptive policy chose not to speculate
         self.probing = False  # the last budgets() call was a probe
+        self.probe_gap = config.probe_every  # idle steps before the next probe
+        self.probe_paid = False  # some row accepted a token of the current probe
         self.propose_cost = ProposeCost()  # the proposer's measured time against draft depth
 
     def prepare(self, batch: int) -> None:
@@ -237,14 +255,20 @@ class Policy:
             self.cost.latency(batch, 1, 1 + self.config.k)
 
     def begin(self, row: int) -> None:
-        self.evidence[row] = _Evidence()
+        self.evidence[row] = _Evidence(prior=self.pooled_alpha())
+
+    def pooled_alpha(self) -> float:
+        """The alpha of all outcomes so far, once there are ``label_min`` of them (else the
+        configured prior): what a new request starts from."""
+        if self.pooled.outcomes < self.config.label_min:
+            return self.config.prior
+        return self.pooled.alpha(self.config.prior)
 
     def end(self, row: int) -> None:
         self.evidence.pop(row, None)
 
     def alpha(self, row: int) -> float:
-        e = self.evidence.get(row, _Evidence())
-        return (e.accepted + self.config.prior) / (e.accepted + e.rejected + 1.0)
+        return self.evidence.get(row, _Evidence()).alpha(self.config.prior)
 
     def budgets(self, caps: Seq[int], batch: int, remaining: Seq[int] | None = None) -> list[int]:
         """Draft length per row. caps[row]: the most that row may draft (0 = idle/finished).
@@ -253,13 +277,16 @@ class Policy:
         k = self.config.k
         if self.config.kind == "fixed":
             return [min(k, c) for c in caps]
+        if self.probing:  # the last step probed: back off if it found nothing
+            paid = self.probe_paid
+            self.probe_gap = self.config.probe_every if paid else min(2 * self.probe_gap, PROBE_GAP_MAX)
+            self.probing = self.probe_paid = False
         best = self.best_length(caps, batch, self._remaining(remaining))
-        self.probing = False
         if best > 0:
             self.idle_steps = 0
         else:
             self.idle_steps += 1
-            if self.idle_steps >= self.config.probe_every and self._cheap_probe(batch):
+            if self.idle_steps >= self.probe_gap and self._cheap_probe(batch):
                 self.idle_steps = 0
                 best = self.config.probe_k
                 self.probing = True  # this step's drafts are for evidence: trim() keeps them
@@ -300,6 +327,9 @@ class Policy:
             return
         rejected = 1.0 if acceptance.accepted < depth else 0.0
         _decay_add(self.evidence[row], self.config.decay, acceptance.accepted, rejected)
+        _decay_add(self.pooled, LABEL_DECAY, acceptance.accepted, rejected)
+        if self.probing and acceptance.accepted > 0:
+            self.probe_paid = True
         if draft.label:
             e = self.by_label.setdefault(draft.label, _Evidence())
             _decay_add(e, LABEL_DECAY, acceptance.accepted, rejected)
@@ -307,9 +337,9 @@ class Policy:
     def label_alpha(self, label: str) -> float | None:
         """The label's own alpha, once it has ``label_min`` outcomes (else None)."""
         e = self.by_label.get(label)
-        if e is None or e.accepted + e.rejected < self.config.label_min:
+        if e is None or e.outcomes < self.config.label_min:
             return None
-        return (e.accepted + self.config.prior) / (e.accepted + e.rejected + 1.0)
+        return e.alpha(self.config.prior)
 
     def trim(self, drafts: list[Draft], batch: int, live: Seq[bool] | None = None,
              remaining: Seq[int] | None = None) -> list[Draft]:
