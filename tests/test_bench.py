@@ -15,7 +15,7 @@ import pytest
 
 from specdraft.api import build_engine
 from specdraft.bench import peers as peers_mod
-from specdraft.bench.harness import BenchConfig, MethodSpec, Request, batches, build_requests, run_bench
+from specdraft.bench.harness import BenchConfig, MethodSpec, Request, batches, build_requests, rounds, run_bench
 from specdraft.bench.report import write_report
 from specdraft.cli import main
 from specdraft.errors import SpecdraftError
@@ -269,6 +269,15 @@ def mine_jsonl(tmp_path_factory):
     ])
 
 
+def test_repeats_run_in_rotated_rounds():
+    a, b, c = (MethodSpec.parse(m) for m in ("plain", "ngram", "suffix"))
+    assert rounds([a, b, c], 1) == [[a, b, c]]
+    order = rounds([a, b, c], 3)
+    assert order == [[a, b, c], [b, c, a], [c, a, b]]
+    assert all(sorted(r.label for r in o) == ["ngram", "plain", "suffix"] for o in order)  # each once a round
+    assert [o.index(a) for o in order] == [0, 2, 1]  # plain runs first, last and in between
+
+
 @pytest.fixture(scope="module")
 def sweep(tiny_gguf, mine_jsonl, tmp_path_factory):
     if DATASETS is None:
@@ -276,7 +285,7 @@ def sweep(tiny_gguf, mine_jsonl, tmp_path_factory):
     out = tmp_path_factory.mktemp("sweep")
     cfg = BenchConfig(methods=(MethodSpec.parse("ngram"), MethodSpec.parse("ngram:k=4,policy=fixed")),
                       workloads=("repeat", f"mine={mine_jsonl}"), batch_sizes=(1, 2), max_new_tokens=8, samples=2,
-                      model=str(tiny_gguf), out=str(out))
+                      repeats=2, model=str(tiny_gguf), out=str(out))
     logged: list[str] = []
     results = run_bench(cfg, log=logged.append)
     return cfg, results, out, logged

@@ -3,7 +3,10 @@ decoding in the same run, on the same prompts and limits.
 
 For each workload and batch size, the workload's requests are split into full batches of
 that size; each method generates them all, ``repeats`` times (median wall time reported),
-after one warm-up generation per method that is not timed. Multi-turn conversations are
+after one warm-up generation per method that is not timed. Repeats run in rounds, each
+round every method once, the order rotated from round to round, so that a slow spell of a
+shared machine is spread over the methods instead of falling on one (timings here vary by
+10-20% from run to run). Multi-turn conversations are
 expanded into one request per turn; the earlier turns' answers come from plain greedy
 decoding (computed once), so every method sees the same contexts.
 """
@@ -16,7 +19,7 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -197,6 +200,13 @@ def run_config(engine: Engine, groups: list[list[Request]], gen: GenerationConfi
     return RunResult(seconds, sum(len(o) for _, o in outputs), stats, outputs)
 
 
+def rounds(methods: Sequence[MethodSpec], repeats: int) -> list[list[MethodSpec]]:
+    """The order of the timed runs: ``repeats`` rounds of every method, round r starting at
+    method r (mod the count), so that each method runs early and late alike."""
+    n = len(methods)
+    return [[methods[(r + i) % n] for i in range(n)] for r in range(repeats)]
+
+
 def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     loaded = load(cfg.model, dtype=cfg.dtype, device=cfg.device, batch_invariant=cfg.batch_invariant)
     gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens)
@@ -229,19 +239,21 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str,
     for w, b in plan:
         groups = batches(requests[w], b, w, cfg.samples)
         for m in methods:
-            engine = engines[m.label]
             if (m.label, b) not in warmed:  # warm-up: a short untimed batch (measures the cost model too)
-                engine.generate([list(r.tokens)[-WARMUP_PROMPT:] for r in groups[0]], GenerationConfig(max_new_tokens=8))
+                engines[m.label].generate([list(r.tokens)[-WARMUP_PROMPT:] for r in groups[0]],
+                                          GenerationConfig(max_new_tokens=8))
                 warmed.add((m.label, b))
-            times, last = [], None
-            for _ in range(cfg.repeats):
-                last = run_config(engine, groups, gen, cfg)
-                times.append(last.seconds)
+        runs: dict[str, list[RunResult]] = {m.label: [] for m in methods}
+        for order in rounds(methods, cfg.repeats):
+            for m in order:
+                runs[m.label].append(run_config(engines[m.label], groups, gen, cfg))
                 bar.update(1)
-            assert last is not None
-            row = make_row(m, w, b, groups, times, last.new_tokens, last.stats)
+        for m in methods:
+            times = [r.seconds for r in runs[m.label]]
+            typical = min(runs[m.label], key=lambda r: abs(r.seconds - statistics.median(times)))
+            row = make_row(m, w, b, groups, times, typical.new_tokens, typical.stats)
             if m.method == "plain":
-                row.copy_ceiling_tau = copy_ceiling_tau(last.outputs, max(max_k, 1))
+                row.copy_ceiling_tau = copy_ceiling_tau(typical.outputs, max(max_k, 1))
             rows.append(row)
         _fill_speedups(rows, w, b)
         for r in rows[-len(methods):]:

@@ -32,7 +32,7 @@ def header(results: dict[str, Any]) -> str:
         f"- machine: {m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads; "
         f"python {m['python']}, torch {m['torch']}, specdraft {m['specdraft']}",
         f"- {c['samples']} prompts per workload, {c['max_new_tokens']} new tokens, temperature {c['temperature']}, "
-        f"seed {c['seed']}, {c['repeats']} timed repeat(s) (median), warm-up excluded",
+        f"seed {c['seed']}, {c['repeats']} timed repeat(s) (median; methods in rotated order each round), warm-up excluded",
     ])
 
 
