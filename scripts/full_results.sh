@@ -24,7 +24,7 @@ $SD bench --methods "ngram,draft:path=$DRAFT" --workloads summarization,rag,code
   --out results/bench-peers > /dev/null 2> results/bench-peers.log
 # 2. batch sweep on the mixed workload: n-gram with and without the policy (issue 4)
 $SD bench --methods "ngram,ngram:policy=fixed+k=8" --workloads mixed \
-  --batch-sizes 1,8,32,128 --samples 16 --max-new-tokens 64 --out results/bench-batch \
+  --batch-sizes 1,8,32,128 --samples 16 --repeats 2 --max-new-tokens 64 --out results/bench-batch \
   > /dev/null 2> results/bench-batch.log
 # 3. runtime: plain decode vs transformers, verification cost curve (float32 and bfloat16)
 $SD bench-runtime --out results/runtime > results/runtime/log.txt 2>/dev/null || true
