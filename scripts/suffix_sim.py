@@ -101,20 +101,20 @@ def _replay(row: dict[str, Any], new_tokens: int, proposer: Any, policy: Policy,
     pos = 1
     while pos < end:
         budget = policy.budgets([max(0, new_tokens - pos - 1)], 1)[0]
-        draft = proposer.propose([seq], [budget], None)[0] if budget > 0 else Draft.empty()
-        draft = policy.trim([draft], 1)[0]
+        raw = proposer.propose([seq], [budget], None)[0] if budget > 0 else Draft.empty()
+        if len(raw):
+            policy.observe_propose_time(max(raw.depths()), PROPOSE_S)
+        draft = policy.trim([raw], 1)[0]
         path = accepted_path(draft, target[pos:])
         emitted = min(len(path) + 1, end - pos)
         policy.observe(0, draft, Acceptance(tuple(path), tuple(target[pos : pos + len(path) + 1])))
-        if len(draft):
-            policy.observe_propose_time(max(draft.depths()), PROPOSE_S)
         seq.tokens.extend(target[pos : pos + emitted])
         pos += emitted
         totals["steps"] += 1
         totals["emitted"] += emitted
         totals["proposed"] += len(draft)
         totals["accepted"] += len(path)
-        totals["cost"] += cost.latency(1, 1 + len(draft), 1 + policy.config.k) + (PROPOSE_S if len(draft) else 0.0)
+        totals["cost"] += cost.latency(1, 1 + len(draft), 1 + policy.config.k) + (PROPOSE_S if budget > 0 else 0.0)
     totals["plain"] += (end - 1) * cost.latency(1, 1, 1 + policy.config.k)
     seq.tokens = seq.tokens[: len(row["prompt"]) + len(target)]  # the EOS is not part of the output
     proposer.end(0)

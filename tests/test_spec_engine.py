@@ -537,16 +537,50 @@ def test_adaptive_picks_a_long_draft_when_extra_tokens_are_nearly_free() -> None
 
 def test_adaptive_turns_speculation_off_when_verification_is_expensive() -> None:
     batch = 64
-    policy = Policy(PolicyConfig(kind="adaptive", k=8), cost_table(batch, per_token=1.0))  # cost grows like q
+    policy = Policy(PolicyConfig(kind="adaptive", k=8, look_cost=0.0), cost_table(batch, per_token=1.0))  # cost grows like q
     for row in range(batch):
         policy.begin(row)
         _evidence(policy, row, 10, accepted=8)
     assert policy.budgets([8] * batch, batch) == [0] * batch
     # and a low acceptance turns it off even when extra tokens cost little
-    cheap = Policy(PolicyConfig(kind="adaptive", k=8), cost_table(1, per_token=0.3))
+    cheap = Policy(PolicyConfig(kind="adaptive", k=8, look_cost=0.0), cost_table(1, per_token=0.3))
     cheap.begin(0)
     _evidence(cheap, 0, 20, accepted=0)
     assert cheap.budgets([8], 1) == [0]
+
+
+def test_a_cheap_proposer_drafts_first_and_is_gated_on_its_drafts() -> None:
+    """A proposer that costs almost nothing drafts the full k whatever the row's alpha; the
+    gate then acts on the drafts in trim(): a row with a poor record gets its draft cut to
+    nothing, and after probe_every such steps one probe of probe_k is kept. A proposer whose
+    drafting costs a noticeable share of a target step is gated before it runs."""
+    config = PolicyConfig(kind="adaptive", k=8, probe_every=3)
+    policy = Policy(config, cost_table(1, per_token=0.1))  # a probe is cheap
+    policy.begin(0)
+    _evidence(policy, 0, 30, accepted=0)
+    draft = Draft.chain(range(8))
+    kept = []
+    for _ in range(3):
+        assert policy.budgets([8], 1) == [8]
+        kept.append(len(policy.trim([draft], 1)[0]))
+    assert kept == [0, 0, config.probe_k]
+    assert policy.trim([Draft.empty()], 1)[0] == Draft.empty()  # nothing drafted: nothing to gate
+    good = Policy(config, cost_table(1, per_token=0.001))
+    good.begin(0)
+    _evidence(good, 0, 30, accepted=8)
+    assert good.budgets([8], 1) == [8] and len(good.trim([draft], 1)[0]) == 8
+    dear = Policy(config, cost_table(1, per_token=0.3))  # drafting costs 10% of a target step
+    dear.begin(0)
+    _evidence(dear, 0, 30, accepted=0)
+    for _ in range(4):
+        dear.observe_propose_time(8, 0.1)
+    assert dear.budgets([8], 1) == [0]
+    off = Policy(PolicyConfig(kind="adaptive", k=8, look_cost=0.0), cost_table(1, per_token=0.3))
+    off.begin(0)
+    _evidence(off, 0, 30, accepted=0)
+    assert off.budgets([8], 1) == [0]  # look_cost 0: always gated first
+    with pytest.raises(SpecdraftError):
+        PolicyConfig(look_cost=2.0)
 
 
 def test_adaptive_alpha_follows_the_evidence() -> None:
@@ -568,7 +602,7 @@ def test_adaptive_alpha_follows_the_evidence() -> None:
 
 
 def test_adaptive_probes_only_where_cheap() -> None:
-    config = PolicyConfig(kind="adaptive", k=8, probe_every=4)
+    config = PolicyConfig(kind="adaptive", k=8, look_cost=0.0, probe_every=4)
     cheap = Policy(config, cost_table(1, per_token=0.1))
     cheap.begin(0)
     _evidence(cheap, 0, 50, accepted=0)
@@ -826,7 +860,7 @@ def test_new_requests_start_from_the_pooled_alpha_of_earlier_ones() -> None:
     (almost) all rejected, a new request starts pessimistic and does not draft at once, and
     once they were accepted, optimistic."""
     cost = cost_table(1, per_token=0.3)
-    policy = Policy(PolicyConfig(kind="adaptive", k=8, prior=0.5, probe_every=100), cost)
+    policy = Policy(PolicyConfig(kind="adaptive", k=8, look_cost=0.0, prior=0.5, probe_every=100), cost)
     policy.begin(0)
     assert policy.alpha(0) == 0.5 and policy.budgets([8], 1)[0] > 0
     for _ in range(12):

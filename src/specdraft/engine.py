@@ -235,9 +235,6 @@ class Engine:
         stats.propose_s += t1 - tp
         stats.verify_s += t2 - t1
         stats.other_s += (tp - t0) + (t3 - t2)
-        depth = max((max(d.depths(), default=0) for d in drafts), default=0)
-        if depth:
-            self.policy.observe_propose_time(depth, t1 - tp)
         return last
 
     def _budgets(self, seqs: list[Sequence], cache: KVCache) -> list[int]:
@@ -255,7 +252,11 @@ class Engine:
             return [Draft.empty() for _ in seqs]
         active = [s if b > 0 and not s.finished else None for s, b in zip(seqs, budgets)]
         lengths = list(cache.lengths)
+        t0 = time.perf_counter()
         drafts = self.proposer.propose(active, budgets, cache)
+        depth = max((max(d.depths(), default=0) for d in drafts), default=0)
+        if depth:  # before trimming: what was paid for is what was drafted
+            self.policy.observe_propose_time(depth, time.perf_counter() - t0)
         if cache.lengths != lengths:
             raise RuntimeError(f"proposer {self.proposer.name} changed the target cache's lengths")
         drafts = self.policy.trim(drafts, len(seqs), [not s.finished for s in seqs], remaining(seqs))

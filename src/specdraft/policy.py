@@ -27,6 +27,10 @@ that a request whose text becomes predictable again is noticed. A probe that no 
 any of doubles the wait before the next (up to ``PROBE_GAP_MAX`` steps); one that pays resets
 it: on traffic that never accepts, probing costs little.
 
+A proposer whose drafting costs at most ``look_cost`` of a plain target step (measured: the
+lookup methods) is not gated before it runs: it drafts the full k, and the gate, probes
+included, acts on the drafts in ``trim`` (a draft's label says more than the row's alpha).
+
 After proposing, drafts are *trimmed*, in two ways. First, a proposer may label a draft with the kind of evidence
 behind it (the n-gram proposer: the length of the suffix it matched). The policy keeps decayed
 accept/reject counts per label, across requests, and once a label has ``label_min`` outcomes
@@ -60,7 +64,7 @@ from specdraft.model.transformer import Transformer
 class PolicyConfig:
     """kind: "fixed" always drafts k tokens; "adaptive" chooses 0..k per step (see module doc).
     decay: weight kept by older draft outcomes at each new one. prior: alpha before any
-    evidence (worth one draft position). probe_every / probe_cost: see the module doc.
+    evidence (worth one draft position). probe_every / probe_cost / look_cost: see the module doc.
     objective: "batch-end" weighs a step by how much sooner a static batch ends (when the
     caller passes remaining tokens; ``Engine.generate`` does), "throughput" by the tokens it
     emits (for a batch that is refilled as rows finish)."""
@@ -72,6 +76,7 @@ class PolicyConfig:
     prior: float = 0.5
     probe_every: int = 8
     probe_cost: float = 1.6
+    look_cost: float = 0.05  # a proposer this cheap (share of a plain step) drafts before the gate; 0 = never
     label_min: float = 8.0  # outcomes a draft label needs before its own alpha trims its drafts (and
     # all requests pooled before their alpha replaces `prior` for new requests)
 
@@ -84,6 +89,8 @@ class PolicyConfig:
             raise SpecdraftError("policy decay and prior must be in (0, 1)")
         if self.objective not in ("batch-end", "throughput"):
             raise SpecdraftError(f"policy objective must be 'batch-end' or 'throughput', got {self.objective!r}")
+        if not 0 <= self.look_cost <= 1:
+            raise SpecdraftError(f"policy look_cost must be in [0, 1], got {self.look_cost!r}")
         if self.probe_every < 1 or self.probe_cost < 1:
             raise SpecdraftError("probe_every must be >= 1 and probe_cost >= 1")
 
@@ -247,6 +254,7 @@ class Policy:
         self.probing = False  # the last budgets() call was a probe
         self.probe_gap = config.probe_every  # idle steps before the next probe
         self.probe_paid = False  # some row accepted a token of the current probe
+        self.looking = False  # this step drafts first and is gated in trim() (cheap proposer)
         self.propose_cost = ProposeCost()  # the proposer's measured time against draft depth
 
     def prepare(self, batch: int) -> None:
@@ -277,20 +285,40 @@ class Policy:
         k = self.config.k
         if self.config.kind == "fixed":
             return [min(k, c) for c in caps]
-        if self.probing:  # the last step probed: back off if it found nothing
+        self._settle_probe()
+        self.looking = self._cheap_to_look(batch)
+        if self.looking:  # drafting is nearly free: see the drafts first, decide in trim()
+            return [min(k, c) for c in caps]
+        best = self._gate(self.best_length(caps, batch, self._remaining(remaining)), batch)
+        return [min(best, c) for c in caps]
+
+    def _settle_probe(self) -> None:
+        """After a probe step: the next probe comes sooner if it paid, later if not."""
+        if self.probing:
             paid = self.probe_paid
             self.probe_gap = self.config.probe_every if paid else min(2 * self.probe_gap, PROBE_GAP_MAX)
             self.probing = self.probe_paid = False
-        best = self.best_length(caps, batch, self._remaining(remaining))
+
+    def _gate(self, best: int, batch: int) -> int:
+        """``best`` (the chosen draft length) or, after ``probe_gap`` idle steps in a row, a
+        cheap probe of ``probe_k`` tokens (then ``probing`` is set)."""
         if best > 0:
             self.idle_steps = 0
-        else:
-            self.idle_steps += 1
-            if self.idle_steps >= self.probe_gap and self._cheap_probe(batch):
-                self.idle_steps = 0
-                best = self.config.probe_k
-                self.probing = True  # this step's drafts are for evidence: trim() keeps them
-        return [min(best, c) for c in caps]
+            return best
+        self.idle_steps += 1
+        if self.idle_steps >= self.probe_gap and self._cheap_probe(batch):
+            self.idle_steps = 0
+            self.probing = True  # this step's drafts are for evidence: trim() keeps them
+            return self.config.probe_k
+        return 0
+
+    def _cheap_to_look(self, batch: int) -> bool:
+        """Whether drafting the full k costs at most ``look_cost`` of one plain target step, so
+        the decision can wait until the drafts (and their labels) are seen."""
+        assert self.cost is not None
+        plain = self.cost.latency(batch, 1, 1 + self.config.k)
+        look = self.config.look_cost
+        return look > 0 and self.propose_cost.estimate(self.config.k) <= look * plain
 
     def _remaining(self, remaining: Seq[int] | None) -> Seq[int] | None:
         """The remaining counts the objective uses (none for throughput)."""
@@ -353,6 +381,8 @@ class Policy:
         if self.probing:
             return out
         depth = self.batch_depth(out, batch, live, self._remaining(remaining))
+        if self.looking and any(len(d) for d in out):  # the budget was not gated: gate here
+            depth = self._gate(depth, batch)
         return [d.up_to_depth(depth) for d in out]
 
     def trim_labels(self, drafts: list[Draft], batch: int) -> list[Draft]:
