@@ -537,13 +537,14 @@ def test_adaptive_picks_a_long_draft_when_extra_tokens_are_nearly_free() -> None
 
 def test_adaptive_turns_speculation_off_when_verification_is_expensive() -> None:
     batch = 64
-    policy = Policy(PolicyConfig(kind="adaptive", k=8, look_cost=0.0), cost_table(batch, per_token=1.0))  # cost grows like q
+    gate_first = PolicyConfig(kind="adaptive", k=8, look_cost=0.0)  # the budget gate, before proposing
+    policy = Policy(gate_first, cost_table(batch, per_token=1.0))  # cost grows like q
     for row in range(batch):
         policy.begin(row)
         _evidence(policy, row, 10, accepted=8)
     assert policy.budgets([8] * batch, batch) == [0] * batch
     # and a low acceptance turns it off even when extra tokens cost little
-    cheap = Policy(PolicyConfig(kind="adaptive", k=8, look_cost=0.0), cost_table(1, per_token=0.3))
+    cheap = Policy(gate_first, cost_table(1, per_token=0.3))
     cheap.begin(0)
     _evidence(cheap, 0, 20, accepted=0)
     assert cheap.budgets([8], 1) == [0]
