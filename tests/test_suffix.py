@@ -15,10 +15,12 @@ from hypothesis import strategies as st
 
 from specdraft.draft import Draft
 from specdraft.errors import SpecdraftError
+from specdraft.bench.harness import Memory
 from specdraft.metrics import SpecStats
 from specdraft.proposers import make_proposer
 from specdraft.proposers.suffix import SuffixConfig, SuffixProposer, merge
 from specdraft.proposers.suffix_tree import ROOT, Growth, SuffixTrie
+from specdraft.sequence import GenerationConfig
 from test_accept import ENGINE_ROWS, _engine_lossless_check, sampled_setup  # noqa: F401 (fixture)
 from test_spec_engine import GEN, Setup, loopy, spec_engine, tiny  # noqa: F401 (fixtures)
 
@@ -249,6 +251,26 @@ def test_an_output_larger_than_the_cap_is_not_kept() -> None:
     assert proposer.global_trie.nodes == 0 and not proposer.outputs
 
 
+def test_restore_forgets_the_outputs_remembered_since_the_snapshot() -> None:
+    proposer = SuffixProposer(SuffixConfig(max_depth=4, global_min_match=2), max_draft=4)
+    first = Row(proposer, [1])
+    first.tokens += [40, 41, 42, 43]
+    proposer.end(0)
+    before = dump(proposer.global_trie)
+    snap = proposer.snapshot()
+    second = Row(proposer, [1])
+    second.tokens += [60, 61, 62, 63]
+    proposer.end(0)
+    assert Row(proposer, [5, 60, 61]).propose(4).tokens == (62, 63)
+    proposer.end(0)
+    proposer.restore(snap)
+    assert dump(proposer.global_trie) == before and list(proposer.outputs) == [[40, 41, 42, 43]]
+    assert len(Row(proposer, [5, 60, 61]).propose(4)) == 0  # the later output is forgotten
+    assert Row(proposer, [5, 40, 41], row=1).propose(4).tokens == (42, 43)  # the earlier one is not
+    with pytest.raises(SpecdraftError):
+        proposer.restore(snap)  # rows are active
+
+
 # =========================================================================== settings
 
 
@@ -286,6 +308,26 @@ def test_greedy_equals_plain_on_loopy(loopy: Setup, policy: str, k: int) -> None
         assert stats.accepted >= 10, "the test is vacuous if (almost) nothing is accepted"
         assert stats.steps < stats.emitted
     assert proposer.outputs and not proposer.rows
+
+
+def test_bench_repeats_start_from_the_same_memory(loopy: Setup) -> None:
+    """The bench's Memory: a repeat after restore() drafts exactly as the first run did; without
+    it, the second run drafts from the first run's outputs (what the restore must prevent)."""
+    engine = spec_engine(loopy.loaded, SuffixProposer(SuffixConfig(), max_draft=6), 6, "adaptive",
+                         batch=len(loopy.prompts))
+    engine.generate([p[:3] for p in loopy.prompts], GenerationConfig(max_new_tokens=6))  # learned before
+    memory = Memory.of(engine)
+
+    def run() -> tuple[int, int, int]:
+        stats = SpecStats()
+        engine.generate(loopy.prompts, GEN, stats=stats)
+        return stats.proposed, stats.accepted, stats.steps
+
+    first = run()
+    unrestored = run()
+    memory.restore(engine)
+    assert run() == first
+    assert unrestored != first
 
 
 def test_greedy_equals_plain_on_the_tiny_model(tiny: Setup) -> None:

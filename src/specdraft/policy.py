@@ -45,6 +45,7 @@ the output exact.
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from bisect import bisect_right
@@ -256,6 +257,20 @@ class Policy:
         self.probe_paid = False  # some row accepted a token of the current probe
         self.looking = False  # this step drafts first and is gated in trim() (cheap proposer)
         self.propose_cost = ProposeCost()  # the proposer's measured time against draft depth
+
+    # what the policy has learned (per row and across requests), without the cost model
+    _MEMORY = ("evidence", "by_label", "pooled", "idle_steps", "probing", "probe_gap", "probe_paid",
+               "looking", "propose_cost")
+
+    def snapshot(self) -> dict[str, object]:
+        """A copy of what the policy has learned, for ``restore``: a benchmark's repeats each
+        start from the same state (the measured cost model is kept, it is a property of the
+        machine)."""
+        return copy.deepcopy({name: getattr(self, name) for name in self._MEMORY})
+
+    def restore(self, snapshot: dict[str, object]) -> None:
+        for name, value in copy.deepcopy(snapshot).items():
+            setattr(self, name, value)
 
     def prepare(self, batch: int) -> None:
         """Measure the cost model for this batch size now (it is measured once per size)."""

@@ -6,7 +6,9 @@ that size; each method generates them all, ``repeats`` times (median wall time r
 after one warm-up generation per method that is not timed. Repeats run in rounds, each
 round every method once, the order rotated from round to round, so that a slow spell of a
 shared machine is spread over the methods instead of falling on one (timings here vary by
-10-20% from run to run). Multi-turn conversations are
+10-20% from run to run). Every repeat starts from the same learned state (``Memory``: the
+policy's evidence and a proposer's memory of earlier outputs), so a repeat does not draft
+from its own prompts' outputs of the round before. Multi-turn conversations are
 expanded into one request per turn; the earlier turns' answers come from plain greedy
 decoding (computed once), so every method sees the same contexts.
 """
@@ -200,6 +202,26 @@ def run_config(engine: Engine, groups: list[list[Request]], gen: GenerationConfi
     return RunResult(seconds, sum(len(o) for _, o in outputs), stats, outputs)
 
 
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """What an engine has learned across requests (its policy's evidence, and the proposer's
+    memory where it has one: ``snapshot``/``restore``), so that each timed repeat starts from
+    the same state: a repeat must not draft from the outputs of the round before it."""
+
+    policy: dict[str, object]
+    proposer: object | None
+
+    @classmethod
+    def of(cls, engine: Engine) -> "Memory":
+        snap = getattr(engine.proposer, "snapshot", None)
+        return cls(engine.policy.snapshot(), snap() if snap is not None else None)
+
+    def restore(self, engine: Engine) -> None:
+        engine.policy.restore(self.policy)
+        if self.proposer is not None:
+            engine.proposer.restore(self.proposer)  # type: ignore[attr-defined]
+
+
 def rounds(methods: Sequence[MethodSpec], repeats: int) -> list[list[MethodSpec]]:
     """The order of the timed runs: ``repeats`` rounds of every method, round r starting at
     method r (mod the count), so that each method runs early and late alike."""
@@ -244,8 +266,10 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str,
                                           GenerationConfig(max_new_tokens=8))
                 warmed.add((m.label, b))
         runs: dict[str, list[RunResult]] = {m.label: [] for m in methods}
+        memory = {m.label: Memory.of(engines[m.label]) for m in methods}
         for order in rounds(methods, cfg.repeats):
             for m in order:
+                memory[m.label].restore(engines[m.label])  # every round starts from the same state
                 runs[m.label].append(run_config(engines[m.label], groups, gen, cfg))
                 bar.update(1)
         for m in methods:

@@ -11,6 +11,11 @@ The engine calls, for the rows of a batch (a row is a slot that holds one reques
   back its own state (a draft model's KV cache), learn, or adapt;
 - ``end(row)`` when the request leaves the row.
 
+A proposer that learns across requests (suffix decoding's trie of earlier outputs) may also
+implement ``snapshot()`` and ``restore(snapshot)``, so that a benchmark's repeated runs of
+the same prompts each start from the same memory instead of drafting from their own
+earlier outputs.
+
 The sequence's ``tokens`` (prompt + emitted tokens, only ever growing) is the context.
 
 The target's cache is lent to ``propose``: row ``r`` holds the keys/values of

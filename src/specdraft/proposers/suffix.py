@@ -58,13 +58,13 @@ class SuffixConfig:
     max_depth: int = 16
     min_match: int = 1
     factor: float = 4.0
-    min_prob: float = 0.1
+    min_prob: float = 0.25
     matches: int = 3
     merge: bool = True
     use_global: bool = True
     global_min_match: int = 3
     max_nodes: int = 100_000
-    label_cap: int = 0
+    label_cap: int = 8
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_match <= self.max_depth <= 256:
@@ -166,6 +166,22 @@ class SuffixProposer:
         self.outputs.append(output)
         while self.outputs and self.global_trie.nodes > self.config.max_nodes:
             self.global_trie.remove(self.outputs.popleft())
+
+    def snapshot(self) -> tuple[tuple[int, ...], ...]:
+        """The earlier outputs the global trie holds, for ``restore`` (what this proposer
+        learns across requests)."""
+        return tuple(tuple(o) for o in self.outputs)
+
+    def restore(self, snapshot: tuple[tuple[int, ...], ...]) -> None:
+        """Forget every output remembered since ``snapshot``: the global trie is rebuilt from
+        the snapshot's outputs (between requests: no row may be active)."""
+        if self.rows:
+            raise SpecdraftError("suffix: restore() while requests are active")
+        version = self.global_trie.version
+        self.global_trie, self.outputs = SuffixTrie(self.depth), deque()
+        self.global_trie.version = version + 1  # node ids held anywhere are stale
+        for output in snapshot:
+            self._remember(list(output))
 
     # -- proposing -----------------------------------------------------------------------------
     def propose(self, seqs: Seq[Sequence | None], budgets: Seq[int], cache: KVCache) -> list[Draft]:
