@@ -464,13 +464,13 @@ def test_packed_linear_follows_weight_changes_and_copies() -> None:
 
     import torch.nn.functional as F
 
-    from specdraft.model.linear import Linear, onednn_available
+    from specdraft.model.linear import PACKED_FROM_ROWS, Linear, onednn_available
 
     if not onednn_available():
         pytest.skip("oneDNN not available")
     lin = Linear(16, 8, bias=True)
     lin.pack()
-    x = torch.randn(3, 16)
+    x = torch.randn(PACKED_FROM_ROWS + 2, 16)  # enough rows for the packed path
     with torch.inference_mode():
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
     with torch.no_grad():
@@ -510,6 +510,32 @@ def _one_by_one(model: Transformer, prefix: torch.Tensor, tokens: list[int]) -> 
         pos = prefix.shape[1] + i
         out.append(model(torch.tensor([[tok]]), torch.tensor([[pos]]), cache).logits[0, 0])
     return out
+
+
+def test_few_rows_take_the_default_path_and_more_the_packed_one() -> None:
+    """float32: under PACKED_FROM_ROWS rows exactly F.linear, from there exactly the packed
+    kernel; a batch-invariant linear (single_rows) and bfloat16 always the packed one."""
+    import torch.nn.functional as F
+
+    from specdraft.model.linear import PACKED_FROM_ROWS, Linear, onednn_available
+
+    if not onednn_available():
+        pytest.skip("oneDNN not available")
+    torch.manual_seed(0)
+    lin = Linear(64, 300, bias=False)
+    lin.pack()
+
+    def packed(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, lin.packed, None, "none", [], "")
+
+    with torch.inference_mode():
+        for rows in range(1, PACKED_FROM_ROWS + 3):
+            x = torch.randn(1, rows, 64)
+            want = F.linear(x, lin.weight) if rows < PACKED_FROM_ROWS else packed(x)
+            assert torch.equal(lin(x), want), rows
+        lin.pack(single_rows=True)
+        x = torch.randn(1, 1, 64)
+        assert torch.equal(lin(x), packed(x))
 
 
 @torch.inference_mode()  # as the engine runs (packed linears are for inference only)

@@ -1,12 +1,19 @@
 """Linear layers with an optional oneDNN-packed copy of the weight for CPU inference.
 
-On the CPU, PyTorch's default float32 matrix product is slow for the small row counts that
-verification produces (2-32 new tokens): a forward over 9 tokens costs about 2.5x one over 1
-token, although both are memory-bound. oneDNN with a pre-packed (blocked) weight is about
-1.7x faster there, and in bfloat16 it is faster for every row count. So, on the CPU:
+On the CPU, PyTorch's default float32 matrix product is slow for the larger row counts that
+verification produces (4-32 new tokens): without packing a forward of the default model over
+9 tokens costs about 2x one over 1 token, although both are memory-bound. oneDNN with a
+pre-packed (blocked) weight is much faster there, and in bfloat16 it is faster for every row
+count. But for 1-3 rows the default path is the faster one: measured on the default model
+(2-core CPU, float32, batch 1; ms per forward over 1/2/3/5/9 tokens), packed from 2 rows:
+34/40/41/41/46; packed from 4 rows: 30/31/33/40/47; never packed: 30/32/33/50/68. So, on the
+CPU:
 
-- float32: 1 row -> the default path (fastest for a matrix-vector product); more rows -> packed;
+- float32: fewer than ``PACKED_FROM_ROWS`` (4) rows -> the default path; more -> packed;
 - bfloat16 / float16: always packed (bit-identical to the default path, measured).
+
+(The default path with 2-3 rows differs from its 1-row result by ~2e-5 at most, the packed
+path by ~1e-4: neither is bitwise batch-invariant, see below.)
 
 A batch-invariant model packs with ``single_rows=True``: one row then takes the packed path
 too, so that a row's result never depends on how many rows share the product (oneDNN's
@@ -24,6 +31,9 @@ import copy
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+
+PACKED_FROM_ROWS = 4  # float32: the fewest rows (tokens in the product) that take the packed path
 
 
 def onednn_available() -> bool:
@@ -81,4 +91,4 @@ class Linear(nn.Linear):
     def _use_packed(self, x: Tensor) -> bool:
         if x.dtype != torch.float32 or self.single_rows:
             return True
-        return x.numel() // x.shape[-1] > 1
+        return x.numel() // x.shape[-1] >= PACKED_FROM_ROWS
