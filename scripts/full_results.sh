@@ -14,7 +14,7 @@ METHODS="ngram,suffix,rest,lookahead,layer-skip,draft:path=$DRAFT"
 ensure_truncated_draft(None, 8, print); d(None, print)"
 # 1. every method on every workload at batch 1 and 8 (issue 5); long_summarization (QMSum, ~7k-token
 #    prompts) at batch 1 only: one batch of 8 would spend ~5 minutes per method in prefill
-$SD bench --methods "$METHODS" --workloads $ALL --batch-sizes 1,8 --samples 2 --max-new-tokens 64 \
+$SD bench --methods "$METHODS" --workloads $ALL --batch-sizes 1,8 --samples 3 --repeats 2 --max-new-tokens 64 \
   --out results/bench-methods > /dev/null 2> results/bench-methods.log
 $SD bench --methods "$METHODS" --workloads long_summarization --batch-sizes 1 --samples 2 --max-new-tokens 64 \
   --out results/bench-long > /dev/null 2> results/bench-long.log
