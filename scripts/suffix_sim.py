@@ -4,10 +4,11 @@ Greedy speculative output equals plain output, and the verifier accepts exactly 
 path that spells the plain output. So, given plain outputs, each step can be replayed
 without the model: the policy picks a budget, the proposer drafts, the accepted path is the
 longest draft path along the plain output, one bonus token follows. tau and acceptance are
-exact for a given policy history; the adaptive policy runs with the float32 batch-1 cost
-curve of results/runtime/runtime.json and a fixed propose time, so runs are deterministic
-(the live engine measures both, so its policy choices, and tau, differ a little). The
-estimated speedup is plain cost / simulated cost on that curve.
+exact for a given policy history; the adaptive policy runs with a float32 batch-1 cost
+curve (results/runtime/runtime.json, or ``--cost`` a bench's results.json) and a fixed
+propose time, so runs are deterministic (the live engine measures both, so its policy
+choices, and tau, differ a little). The estimated speedup is plain cost / simulated cost on
+that curve.
 
     # plain outputs of the bench's batch-1 requests (slow: runs the model)
     .venv/bin/python scripts/suffix_sim.py refs summarization,rag,editing,code,repeat --samples 8
@@ -74,8 +75,17 @@ def accepted_path(draft: Draft, target: list[int]) -> list[int]:
     return path
 
 
-def simulate(spec: MethodSpec, workloads: list[str], folder: Path, samples: int) -> dict[str, dict[str, float]]:
-    curve = {int(q): ms / 1000 for q, ms in json.loads(RUNTIME.read_text())["cost_curve"]["float32"].items()}
+def load_curve(path: Path) -> dict[int, float]:
+    """Batch-1 seconds per forward over q tokens: from ``specdraft bench-runtime``'s
+    runtime.json (cost_curve, ms) or a ``specdraft bench`` results.json (cost_model_s)."""
+    data = json.loads(path.read_text())
+    if "cost_model_s" in data:
+        return {int(q): s for q, s in data["cost_model_s"]["1"].items()}
+    return {int(q): ms / 1000 for q, ms in data["cost_curve"]["float32"].items()}
+
+
+def simulate(spec: MethodSpec, workloads: list[str], folder: Path, samples: int,
+             curve: dict[int, float]) -> dict[str, dict[str, float]]:
     cost = CostModel(table={1: curve})
     proposer = make_proposer(spec.method, dict(spec.options))
     policy = Policy(PolicyConfig(kind=spec.policy, k=spec.k), cost)  # one per engine across workloads, as the bench
@@ -129,13 +139,16 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--refs", default="runs/suffix-sim", help="folder of the plain outputs")
+    parser.add_argument("--cost", default=str(RUNTIME),
+                        help="the cost curve: a runtime.json or a bench results.json (its batch-1 cost model)")
     args = parser.parse_intermixed_args()
     workloads, folder = args.workloads.split(","), Path(args.refs)
     if args.command == "refs":
         write_refs(workloads, args.samples, args.max_new_tokens, folder)
         return
+    curve = load_curve(Path(args.cost))
     for text in args.methods:
-        res = simulate(MethodSpec.parse(text), workloads, folder, args.samples)
+        res = simulate(MethodSpec.parse(text), workloads, folder, args.samples, curve)
         cells = "  ".join(f"{w} {r['tau']:.2f}/{r['acceptance']:.0%}/{r['nodes']:.1f}/x{r['speedup']:.2f}"
                           for w, r in res.items())
         mean = sum(r["speedup"] for r in res.values()) / len(res)
