@@ -58,6 +58,7 @@ import torch
 from specdraft.accept import Acceptance
 from specdraft.draft import Draft
 from specdraft.errors import SpecdraftError
+from specdraft.model.linear import PACKED_FROM_ROWS
 from specdraft.model.transformer import Transformer
 
 
@@ -118,10 +119,10 @@ class CostModel:
 
 
 def _grid(q_max: int) -> list[int]:
-    """The token counts measured: every one up to 5 (on the CPU the kernels change between 3
-    and 4 rows, see ``model/linear.py``: the curve is not linear there), then 9, 17, 33, ...
-    and q_max; latencies in between are interpolated."""
-    qs, q = list(range(1, min(q_max, 5) + 1)), 9
+    """The token counts measured: every one up to one past the CPU's kernel switch
+    (``PACKED_FROM_ROWS``, see ``model/linear.py``: the curve is not linear there), then 9,
+    17, 33, ... and q_max; latencies in between are interpolated."""
+    qs, q = list(range(1, min(q_max, PACKED_FROM_ROWS + 1) + 1)), 9
     while q < q_max:
         qs.append(q)
         q = 2 * q - 1
