@@ -12,6 +12,8 @@ import warnings
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from specdraft.api import build_engine
 from specdraft.bench import peers as peers_mod
@@ -393,6 +395,7 @@ def test_report_rebuilt_from_results_json_alone(sweep, tmp_path, capsys):
     assert not lines[first + len(table)].startswith("|")  # header, separator, one line per result
     plain1 = [r for r in results["rows"] if r["base_method"] == "plain" and r["batch"] == 1]
     assert plain1 and all(r["copy_ceiling_tau"] >= 1.0 for r in plain1)
+    assert all(1.0 <= r["lookup_ceiling_tau"] <= r["copy_ceiling_tau"] for r in plain1)
     assert "## Headroom for copying" in md
     for r in plain1:
         assert any(line.split("|")[1].strip() == r["workload"] and f"{r['copy_ceiling_tau']:.2f}" in line
@@ -677,3 +680,27 @@ def test_copy_ceiling_counts_the_oracle_steps():
     # copying from its own output: a repeated phrase is copied the second time
     assert copy_ceiling_steps([0], [5, 6, 7, 5, 6, 7, 5], k=4) == 3  # 6, 7, then [5 6 7] + bonus 5
     assert copy_ceiling_tau([([0], [1, 2, 3])], k=4) == 1.0
+
+
+def test_lookup_ceiling_only_copies_what_a_match_of_the_last_token_points_to():
+    from specdraft.bench.ceiling import copy_ceiling_steps, lookup_ceiling_steps, lookup_ceiling_tau
+
+    prompt = [1, 2, 3, 4, 5, 6]
+    out = [9, 2, 3, 4, 5, 7, 8]  # 9 never occurred before: nothing points at [2 3 4 5]
+    assert copy_ceiling_steps(prompt, out, k=4) == 2
+    assert lookup_ceiling_steps(prompt, out, k=4) == 3  # 2 alone, then [3 4 5] + bonus 7, then 8
+    # every earlier occurrence of the last token is tried, not only the most recent
+    assert lookup_ceiling_steps([5, 2, 3, 5, 1], [0, 5, 2, 3, 9], k=4) == 2  # 5, then [2 3] + bonus 9
+    assert lookup_ceiling_steps([5, 2, 3, 5, 1], [0, 5, 2, 3, 9], k=1) == 3  # 5, [2] + 3, then 9
+    # the output itself is part of the context
+    assert lookup_ceiling_steps([0], [5, 6, 7, 5, 6, 7, 5], k=4) == 4  # 6, 7, 5, then [6 7] + bonus 5
+    assert lookup_ceiling_tau([([0], [1, 2, 3])], k=4) == 1.0
+
+
+@given(st.lists(st.integers(0, 3), max_size=12), st.lists(st.integers(0, 3), min_size=1, max_size=16),
+       st.integers(1, 5))
+def test_lookup_ceiling_lies_between_plain_decoding_and_the_copy_ceiling(prompt, out, k):
+    from specdraft.bench.ceiling import copy_ceiling_steps, lookup_ceiling_steps
+
+    steps = lookup_ceiling_steps(prompt, out, k)
+    assert copy_ceiling_steps(prompt, out, k) <= steps <= len(out) - 1

@@ -6,6 +6,13 @@ that occurs somewhere in the context so far (prompt + output before it); the tar
 all of it and adds its bonus token. Its tau is an upper bound for context-copying methods with
 drafts of at most k tokens (retrieval from a datastore or a draft model can beat it): a
 workload whose ceiling is 1.3 cannot reach tau 2.5 by copying.
+
+The lookup ceiling is the tighter bound for proposers that *find* what to copy by matching the
+end of the context (n-gram / prompt lookup, suffix trees of the request, a lookahead pool built
+from it): every such draft continues some earlier occurrence of at least the last token. Its
+oracle tries the continuation of every earlier occurrence of the last token (so of every longer
+suffix too) and keeps the one that matches the output longest: a tree of unlimited width with
+a perfect choice. The copy ceiling also counts spans that no suffix of the context points to.
 """
 
 from __future__ import annotations
@@ -53,8 +60,38 @@ def _aligned_find(haystack: bytearray, needle: bytes) -> bool:
     return False
 
 
+def lookup_ceiling_steps(prompt: Sequence[int], output: Sequence[int], k: int) -> int:
+    """Target passes the lookup oracle needs for ``output`` (first token from the prefill)."""
+    context = [int(t) for t in prompt] + [int(t) for t in output[:1]]
+    seen: dict[int, list[int]] = {}  # token -> positions j whose token follows an occurrence of it
+    for j in range(1, len(context)):
+        seen.setdefault(context[j - 1], []).append(j)
+    i, steps = 1, 0
+    while i < len(output):
+        want = output[i : min(i + k, len(output) - 1)]  # what an accepted draft would spell
+        best = 0
+        for j in seen.get(context[-1], ()):
+            n = 0
+            while n < len(want) and j + n < len(context) and context[j + n] == want[n]:
+                n += 1
+            best = max(best, n)
+        steps += 1
+        for token in output[i : i + best + 1]:
+            seen.setdefault(context[-1], []).append(len(context))
+            context.append(int(token))
+        i += best + 1
+    return steps
+
+
 def copy_ceiling_tau(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], k: int) -> float:
     """Emitted tokens per target pass of the oracle over (prompt, output) pairs."""
     emitted = sum(max(len(o) - 1, 0) for _, o in pairs)
     steps = sum(copy_ceiling_steps(p, o, k) for p, o in pairs)
+    return emitted / steps if steps else 1.0
+
+
+def lookup_ceiling_tau(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], k: int) -> float:
+    """Emitted tokens per target pass of the lookup oracle over (prompt, output) pairs."""
+    emitted = sum(max(len(o) - 1, 0) for _, o in pairs)
+    steps = sum(lookup_ceiling_steps(p, o, k) for p, o in pairs)
     return emitted / steps if steps else 1.0

@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 from specdraft.api import build_engine
-from specdraft.bench.ceiling import copy_ceiling_tau
+from specdraft.bench.ceiling import copy_ceiling_tau, lookup_ceiling_tau
 from specdraft.bench.machine import machine_info
 from specdraft.engine import Engine
 from specdraft.errors import SpecdraftError
@@ -149,6 +149,7 @@ class Row:
     proposer_bytes: int = 0
     peak_rss_bytes: int = 0
     copy_ceiling_tau: float = 0.0  # plain rows: the tau of an oracle copying context spans (bench/ceiling.py)
+    lookup_ceiling_tau: float = 0.0  # plain rows: the same for an oracle that continues a match of the last token
 
 
 def build_requests(loaded: LoadedModel, prompts: list[Prompt], max_prompt: int, gen: GenerationConfig,
@@ -278,6 +279,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str,
             row = make_row(m, w, b, groups, times, typical.new_tokens, typical.stats)
             if m.method == "plain":
                 row.copy_ceiling_tau = copy_ceiling_tau(typical.outputs, max(max_k, 1))
+                row.lookup_ceiling_tau = lookup_ceiling_tau(typical.outputs, max(max_k, 1))
             rows.append(row)
         _fill_speedups(rows, w, b)
         for r in rows[-len(methods):]:

@@ -68,15 +68,18 @@ def _our_row(rows: list[dict[str, Any]], workload: str, base: str) -> dict[str, 
 
 def ceiling_table(rows: list[dict[str, Any]]) -> str:
     """Per workload (batch 1): the copy ceiling (the tau of an oracle that copies the longest
-    next span from the request's own context) beside the best tau a method reached."""
+    next span from the request's own context) and the lookup ceiling (the same for an oracle
+    that continues an earlier occurrence of the last token) beside the best tau a method
+    reached. Results made before the lookup ceiling existed show "-" there."""
     body = []
     for r in rows:
         if r["batch"] != 1 or r["base_method"] != "plain" or not r.get("copy_ceiling_tau"):
             continue
         spec = [x for x in rows if x["batch"] == 1 and x["workload"] == r["workload"] and x["base_method"] != "plain"]
         best = max(spec, key=lambda x: x["tau"], default=None)
-        body.append([r["workload"], r["copy_ceiling_tau"], best["tau"] if best else "-", best["method"] if best else "-"])
-    return format_table(["workload", "copy ceiling tau", "best tau", "by"], body) if body else ""
+        body.append([r["workload"], r["copy_ceiling_tau"], r.get("lookup_ceiling_tau") or "-",
+                     best["tau"] if best else "-", best["method"] if best else "-"])
+    return format_table(["workload", "copy ceiling tau", "lookup ceiling tau", "best tau", "by"], body) if body else ""
 
 
 def render(results: dict[str, Any]) -> str:
@@ -87,7 +90,10 @@ def render(results: dict[str, Any]) -> str:
         parts += ["", "## Headroom for copying (batch 1)", "",
                   "The copy ceiling is the tau of an oracle that, at each step, drafts the longest next span "
                   "of the real output (at most k tokens) found anywhere in the request's context so far: "
-                  "no method that copies from the request itself can beat it (a datastore or a draft model can).",
+                  "no method that copies from the request itself can beat it (a datastore or a draft model can). "
+                  "The lookup ceiling is the tau of an oracle that tries every earlier occurrence of the last "
+                  "token and continues the best one: the bound for proposers that find what to copy by matching "
+                  "the end of the context (ngram, suffix, lookahead), with unlimited tree width.",
                   "", ceiling]
     if results.get("peers"):
         parts += ["", "## Peers (batch 1, greedy, same weights and prompts)", "", peers_table(results)]
