@@ -14,6 +14,9 @@ that curve.
     .venv/bin/python scripts/suffix_sim.py refs summarization,rag,editing,code,repeat --samples 8
     # then any number of configurations (fast), in `specdraft bench --methods` syntax
     .venv/bin/python scripts/suffix_sim.py run summarization,rag,editing,code,repeat ngram suffix suffix:factor=2
+    # the copy and lookup ceilings (bench/ceiling.py) of the bench's requests, beside what it measured
+    .venv/bin/python scripts/suffix_sim.py ceilings summarization,rag,editing,code,repeat --samples 3 \
+        --tokens 64 --bench results/bench-methods/results.json
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 
 from specdraft.accept import Acceptance
 from specdraft.api import build_engine
+from specdraft.bench.ceiling import copy_oracle_spans, lookup_oracle_spans
 from specdraft.bench.harness import MethodSpec, build_requests
 from specdraft.draft import Draft
 from specdraft.model.loader import load
@@ -131,14 +135,49 @@ def _replay(row: dict[str, Any], new_tokens: int, proposer: Any, policy: Policy,
     policy.end(0)
 
 
+def ceilings(workloads: list[str], folder: Path, samples: int, curve: dict[int, float], tokens: int,
+             bench: Path | None) -> None:
+    """Print the copy and lookup ceilings (bench/ceiling.py, k = 8) of the stored plain
+    outputs (the first ``samples`` requests, outputs cut to ``tokens``), with the decode
+    speedup each oracle would get on the cost curve if it drafted exactly what is accepted (no
+    wasted draft tokens, no propose time). Given a bench's results.json on the same requests,
+    also the end-to-end bound (its plain prefill share counted) and the best tau it measured."""
+    cost = CostModel(table={1: curve})
+    rows = json.loads(bench.read_text())["rows"] if bench else []
+    plain = {r["workload"]: r for r in rows if r["batch"] == 1 and r["method"] == "plain"}
+    head = "| workload | copy ceiling tau | decode bound | lookup ceiling tau | decode bound |"
+    if bench:
+        head += " prefill share | end-to-end bound, lookup / copy | best live tau (speedup, method) |"
+    print(head + "\n|" + "---|" * (head.count("|") - 1))
+    for w in workloads:
+        stored = json.loads((folder / f"{w}.json").read_text())["rows"][:samples]
+        cells, bounds = [], []
+        for oracle in (copy_oracle_spans, lookup_oracle_spans):
+            spans = [a for r in stored for a in oracle(r["prompt"], r["output"][:tokens], 8)]
+            emitted = sum(a + 1 for a in spans)
+            x = emitted * cost.latency(1, 1, 1) / sum(cost.latency(1, 1 + a, 1) for a in spans)
+            cells += [f"{emitted / max(1, len(spans)):.2f}", f"{x:.2f}x"]
+            bounds.append(x)
+        if w in plain:
+            f = plain[w]["prefill_s"] / plain[w]["time_s"]
+            e2e = [1 / (f + (1 - f) / x) for x in bounds]
+            live = max((r for r in rows if r["batch"] == 1 and r["workload"] == w and r["method"] != "plain"),
+                       key=lambda r: r["tau"])
+            cells += [f"{f:.0%}", f"{e2e[1]:.2f}x / {e2e[0]:.2f}x",
+                      f"{live['tau']:.2f} ({live['speedup']:.2f}x, {live['method']})"]
+        print(f"| {w} | " + " | ".join(cells) + " |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["refs", "run"])
+    parser.add_argument("command", choices=["refs", "run", "ceilings"])
     parser.add_argument("workloads", help="comma-separated workloads (their order is the requests' order)")
     parser.add_argument("methods", nargs="*", help="method specs, as specdraft bench --methods (run)")
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--refs", default="runs/suffix-sim", help="folder of the plain outputs")
+    parser.add_argument("--refs", default="results/plain-outputs", help="folder of the plain outputs")
+    parser.add_argument("--tokens", type=int, default=10**9, help="ceilings: cut the stored outputs to this many tokens")
+    parser.add_argument("--bench", help="ceilings: a bench results.json on the same requests (prefill share, live tau)")
     parser.add_argument("--cost", default=str(RUNTIME),
                         help="the cost curve: a runtime.json or a bench results.json (its batch-1 cost model)")
     args = parser.parse_intermixed_args()
@@ -147,6 +186,9 @@ def main() -> None:
         write_refs(workloads, args.samples, args.max_new_tokens, folder)
         return
     curve = load_curve(Path(args.cost))
+    if args.command == "ceilings":
+        ceilings(workloads, folder, args.samples, curve, args.tokens, Path(args.bench) if args.bench else None)
+        return
     for text in args.methods:
         res = simulate(MethodSpec.parse(text), workloads, folder, args.samples, curve)
         cells = "  ".join(f"{w} {r['tau']:.2f}/{r['acceptance']:.0%}/{r['nodes']:.1f}/x{r['speedup']:.2f}"

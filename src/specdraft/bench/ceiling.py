@@ -27,15 +27,19 @@ def _encode(tokens: Sequence[int]) -> bytes:
 def copy_ceiling_steps(prompt: Sequence[int], output: Sequence[int], k: int) -> int:
     """Target passes the oracle needs for ``output`` (the first token comes from the prefill
     and is not counted, as in SpecStats)."""
+    return len(copy_oracle_spans(prompt, output, k))
+
+
+def copy_oracle_spans(prompt: Sequence[int], output: Sequence[int], k: int) -> list[int]:
+    """The draft tokens the copy oracle gets accepted at each target pass (a bonus follows each)."""
     context = bytearray(_encode(list(prompt) + list(output[:1])))
-    i, steps = 1, 0
+    i, spans = 1, []
     while i < len(output):
-        span = _longest_copy(context, output, i, k)
-        accepted = min(span, len(output) - 1 - i)
-        steps += 1
+        accepted = min(_longest_copy(context, output, i, k), len(output) - 1 - i)
+        spans.append(accepted)
         context += _encode(output[i : i + accepted + 1])
         i += accepted + 1
-    return steps
+    return spans
 
 
 def _longest_copy(context: bytearray, output: Sequence[int], i: int, k: int) -> int:
@@ -62,11 +66,16 @@ def _aligned_find(haystack: bytearray, needle: bytes) -> bool:
 
 def lookup_ceiling_steps(prompt: Sequence[int], output: Sequence[int], k: int) -> int:
     """Target passes the lookup oracle needs for ``output`` (first token from the prefill)."""
+    return len(lookup_oracle_spans(prompt, output, k))
+
+
+def lookup_oracle_spans(prompt: Sequence[int], output: Sequence[int], k: int) -> list[int]:
+    """The draft tokens the lookup oracle gets accepted at each target pass."""
     context = [int(t) for t in prompt] + [int(t) for t in output[:1]]
     seen: dict[int, list[int]] = {}  # token -> positions j whose token follows an occurrence of it
     for j in range(1, len(context)):
         seen.setdefault(context[j - 1], []).append(j)
-    i, steps = 1, 0
+    i, spans = 1, []
     while i < len(output):
         want = output[i : min(i + k, len(output) - 1)]  # what an accepted draft would spell
         best = 0
@@ -75,12 +84,12 @@ def lookup_ceiling_steps(prompt: Sequence[int], output: Sequence[int], k: int) -
             while n < len(want) and j + n < len(context) and context[j + n] == want[n]:
                 n += 1
             best = max(best, n)
-        steps += 1
+        spans.append(best)
         for token in output[i : i + best + 1]:
             seen.setdefault(context[-1], []).append(len(context))
             context.append(int(token))
         i += best + 1
-    return steps
+    return spans
 
 
 def copy_ceiling_tau(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], k: int) -> float:
