@@ -704,3 +704,19 @@ def test_lookup_ceiling_lies_between_plain_decoding_and_the_copy_ceiling(prompt,
 
     steps = lookup_ceiling_steps(prompt, out, k)
     assert copy_ceiling_steps(prompt, out, k) <= steps <= len(out) - 1
+
+
+def test_the_replay_script_prints_ceilings_from_the_committed_plain_outputs():
+    import subprocess
+
+    from specdraft.bench.ceiling import copy_ceiling_tau, lookup_ceiling_tau
+
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, str(root / "scripts" / "suffix_sim.py"), "ceilings", "code",
+                           "--samples", "2", "--tokens", "40"], cwd=root, capture_output=True, text=True, check=True)
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| code |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    stored = json.loads((root / "results" / "plain-outputs" / "code.json").read_text())["rows"][:2]
+    pairs = [(r["prompt"], r["output"][:40]) for r in stored]
+    assert cells[1] == f"{copy_ceiling_tau(pairs, 8):.2f}" and cells[3] == f"{lookup_ceiling_tau(pairs, 8):.2f}"
+    assert float(cells[3]) <= float(cells[1]) and float(cells[4].rstrip("x")) <= float(cells[2].rstrip("x"))
