@@ -180,6 +180,52 @@ def test_fresh_rows_caught_up_in_groups_draft_as_one_padded_batch(setup: Setup, 
     assert stats[1].acceptance_rate >= 0.95
 
 
+def test_setup_seconds_price_a_long_backlog_only(setup: Setup, tiny_hf: Path) -> None:
+    draft = load(tiny_hf).model
+    proposer = DraftModelProposer(draft, setup.target.model.config.vocab_size, max_draft=4)
+    long_seq, short_seq = (Sequence(prompt=list(range(3, 3 + n)), config=GEN, tokenizer=setup.target.tokenizer,
+                                    capacity=n + 30) for n in (150, 20))
+    for row, seq in enumerate((long_seq, short_seq)):
+        proposer.begin(row, seq)
+    assert proposer.setup_seconds([None, short_seq]) == [0.0, 0.0]  # nothing to price: no measurement
+    assert proposer.seconds_per_token is None
+    long_cost, short_cost = proposer.setup_seconds([long_seq, short_seq])
+    assert long_cost > 0 and short_cost == 0.0  # calibrated on two small forwards
+    assert long_cost == pytest.approx(149 * proposer.seconds_per_token)  # the root is fed with the draft
+    proposer.propose([long_seq, short_seq], [2, 2], setup.target.model.new_cache(2, 200))  # catches up, measured
+    assert proposer.setup_seconds([long_seq, short_seq]) == [0.0, 0.0]
+    proposer.end(0)
+    proposer.begin(0, long_seq)  # a new request in row 0: its whole prompt is backlog again
+    assert proposer.setup_seconds([long_seq, None])[0] == pytest.approx(149 * proposer.seconds_per_token)
+
+
+class Priced:
+    """A proposer that reports a fixed setup time per row and records the budgets it gets."""
+
+    def __init__(self, inner: Proposer, seconds: float) -> None:
+        self.inner, self.seconds, self.name = inner, seconds, "priced"
+        self.budgets: list[int] = []
+
+    def setup_seconds(self, seqs: Seq[Sequence | None]) -> list[float]:
+        return [self.seconds if s is not None else 0.0 for s in seqs]
+
+    def propose(self, seqs: Seq[Sequence | None], budgets: Seq[int], cache: KVCache) -> list[Draft]:
+        self.budgets += budgets
+        return self.inner.propose(seqs, budgets, cache)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+def test_the_engine_passes_setup_times_to_the_policy(setup: Setup, tiny_hf: Path) -> None:
+    """With a setup time longer than plain decoding of the whole request, the adaptive policy
+    never drafts (nor probes); without one it drafts from the first step."""
+    for seconds, drafted in ((0.0, True), (1e6, False)):
+        priced = Priced(make_proposer("draft", {"path": str(tiny_hf)}, context(setup.target)), seconds)
+        stats = run(setup, priced, policy="adaptive")  # type: ignore[arg-type]
+        assert (stats.proposed > 0) == drafted and any(b > 0 for b in priced.budgets) == drafted
+
+
 # =========================================================================== refused drafts
 
 

@@ -6,6 +6,7 @@ p_draft is shown in test_draft_model), and bad settings refused."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,16 @@ def test_greedy_equals_plain(setup: Setup, layers: int, policy: str, branches: i
     assert stats.proposed > 0
 
 
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_skipping_a_middle_block_equals_plain(setup: Setup, policy: str) -> None:
+    proposer = make_proposer("layer-skip", {"layers": "1", "last": "2"}, context(setup.target))
+    assert proposer.layer_ids == (0, 2, 3) and proposer.drafting_layers == 3
+    stats = SpecStats()
+    results = engine(setup.target, proposer, policy=policy).generate(setup.prompts, GEN, stats=stats)
+    assert [r.tokens for r in results] == setup.refs
+    assert stats.proposed > 0
+
+
 def acceptance(setup: Setup, layers: int) -> float:
     stats = SpecStats()
     engine(setup.target, LayerSkipProposer(setup.target.model, layers)).generate(setup.prompts, GEN, stats=stats)
@@ -99,6 +110,27 @@ def test_drafts_are_the_early_exit_greedy_tokens_and_the_cache_is_untouched(setu
         assert list(draft.tokens) == early_exit_greedy(target.model, s.tokens, layers, budgets[row])
 
 
+def test_a_middle_skip_drafts_on_the_targets_own_prefix_and_leaves_the_cache_as_found(setup: Setup) -> None:
+    target = setup.target
+    eng = Engine(target.model, target.tokenizer)
+    seqs, cache = eng.start(setup.prompts, GEN, [Sampling()] * len(setup.prompts))
+    with torch.inference_mode():
+        first = eng.first_tokens(eng.prefill(seqs, cache), seqs)
+    for s, tok in zip(seqs, first):
+        s.append([tok])
+    k_before, lengths = cache.k.clone(), list(cache.lengths)
+    proposer = LayerSkipProposer(target.model, 1, last=2)
+    drafts = proposer.propose(seqs, [3] * len(seqs), cache)
+    assert cache.lengths == lengths
+    for row, n in enumerate(lengths):
+        assert torch.equal(cache.k[:, row, :, :n], k_before[:, row, :, :n])
+    with torch.inference_mode():  # the first drafted token: layers 0, 2, 3 over the target's own prefix
+        scratch = copy.deepcopy(cache)
+        roots = torch.tensor([[s.tokens[-1]] for s in seqs])
+        out = target.model(roots, torch.tensor(lengths)[:, None], scratch, layers=(0, 2, 3))
+    assert [d.tokens[0] for d in drafts] == out.logits[:, -1].argmax(-1).tolist()
+
+
 def test_engine_sampling_is_lossless(sampled_setup) -> None:  # noqa: F811
     first, joint, triple, stats = _engine_lossless_check(
         sampled_setup, proposer=lambda model, tokenizer: LayerSkipProposer(model, 1))
@@ -119,6 +151,11 @@ def test_bad_settings_are_refused_with_one_line(setup: Setup) -> None:
         LayerSkipConfig(branches=0)
     with pytest.raises(SpecdraftError, match="layers must be"):
         make_proposer("layer-skip", {"layers": "two"}, context(setup.target))
+    with pytest.raises(SpecdraftError, match="layers \\+ last must be at most 3") as err:
+        make_proposer("layer-skip", {"layers": "2", "last": "2"}, context(setup.target))
+    assert "\n" not in str(err.value)
+    with pytest.raises(SpecdraftError, match="last must be"):
+        LayerSkipConfig(last=-1)
 
 
 def test_sweep_speedup_estimate() -> None:

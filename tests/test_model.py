@@ -3,6 +3,8 @@ cache (chunked prefill, rollback, ragged batches, tree masks, commit) against fr
 
 from __future__ import annotations
 
+import copy
+
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -411,6 +413,28 @@ def test_early_exit_equals_truncated_model(tiny: Transformer, tiny_hf: Path) -> 
     torch.testing.assert_close(no_logits.last_hidden, out.last_hidden, rtol=0, atol=0)
     with pytest.raises(ValueError):
         tiny(tokens, positions, tiny.new_cache(2, 16), num_layers=3)
+
+
+def test_a_layer_subset_equals_the_model_with_the_skipped_layers_made_identity(tiny: Transformer) -> None:
+    """layers=(1,) runs layer 1 alone: the same as the full model whose layer 0 adds nothing
+    to the residual stream (its output projections zeroed)."""
+    tokens = random_tokens(2, 12, tiny.config.vocab_size, seed=62)
+    positions = torch.arange(12).expand(2, 12)
+    skipped = tiny(tokens, positions, tiny.new_cache(2, 12), layers=(1,))
+    identity = copy.deepcopy(tiny)
+    with torch.no_grad():
+        identity.layers[0].wo.weight.zero_()
+        identity.layers[0].w_down.weight.zero_()
+    ref = identity(tokens, positions, identity.new_cache(2, 12))
+    torch.testing.assert_close(skipped.logits, ref.logits, rtol=0, atol=ATOL)
+    assert not torch.allclose(skipped.logits, tiny(tokens, positions, tiny.new_cache(2, 12)).logits, atol=1e-3)
+    both = tiny(tokens, positions, tiny.new_cache(2, 12), layers=(0, 1)).logits
+    torch.testing.assert_close(both, tiny(tokens, positions, tiny.new_cache(2, 12)).logits, rtol=0, atol=0)
+    for bad in [(), (1, 0), (0, 0), (2,), (-1, 1)]:
+        with pytest.raises(ValueError, match="layers"):
+            tiny(tokens, positions, tiny.new_cache(2, 12), layers=bad)
+    with pytest.raises(ValueError, match="not both"):
+        tiny(tokens, positions, tiny.new_cache(2, 12), num_layers=1, layers=(0,))
 
 
 def test_early_exit_cache_matches_its_own_full_run(tiny: Transformer) -> None:

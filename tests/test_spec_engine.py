@@ -632,6 +632,22 @@ def test_adaptive_probes_only_where_cheap() -> None:
     assert [dear.budgets([8], 64)[0] for _ in range(8)] == [0] * 8
 
 
+def test_a_proposers_setup_time_is_paid_only_where_it_is_repaid() -> None:
+    config = PolicyConfig(kind="adaptive", k=8, look_cost=0.0, probe_every=4, prior=0.8)
+    policy = Policy(config, cost_table(1, per_token=0.02))  # drafting pays well at alpha 0.8
+    policy.begin(0)
+    assert policy.budgets([8], 1, [64]) == [8]
+    assert policy.budgets([8], 1, [64], [5.0]) == [8]  # 5 s of setup, 64 s of plain decoding left
+    assert policy.budgets([8], 1, [64], [50.0]) == [0]  # more than it saves
+    assert policy.budgets([8], 1, [4], [5.0]) == [0]  # too little left to repay it
+    low = Policy(config, cost_table(1, per_token=0.1))  # a method that is never accepted
+    low.begin(0)
+    _evidence(low, 0, 50, accepted=0)
+    assert [low.budgets([8], 1, [64], [0.1])[0] for _ in range(4)] == [0, 0, 0, config.probe_k]  # cheap probe
+    low.observe(0, Draft.chain(range(config.probe_k)), Acceptance((), (1,)))
+    assert [low.budgets([8], 1, [64], [3.0])[0] for _ in range(40)] == [0] * 40  # a probe must stay cheap
+
+
 def test_fixed_policy_returns_k_capped() -> None:
     policy = Policy(PolicyConfig(kind="fixed", k=4))
     assert policy.budgets([0, 2, 4, 9], 4) == [0, 2, 4, 4]

@@ -245,7 +245,9 @@ class Engine:
         running = [n for n, s in zip(cache.lengths, seqs) if not s.finished]
         free = cache.capacity - 1 - max(running, default=0)  # positions left after the root token
         caps = [0 if s.finished else max(0, min(s.room - 1, free)) for s in seqs]
-        return self.policy.budgets(caps, len(seqs), remaining(seqs))
+        setup = getattr(self.proposer, "setup_seconds", None)  # optional (proposers/base.py)
+        pending = setup([None if s.finished else s for s in seqs]) if setup is not None else None
+        return self.policy.budgets(caps, len(seqs), remaining(seqs), pending)
 
     def _propose(self, seqs: list[Sequence], budgets: list[int], cache: KVCache) -> list[Draft]:
         if not self.speculative:

@@ -27,6 +27,12 @@ that a request whose text becomes predictable again is noticed. A probe that no 
 any of doubles the wait before the next (up to ``PROBE_GAP_MAX`` steps); one that pays resets
 it: on traffic that never accepts, probing costs little.
 
+A proposer may first have to catch up on a request's context before it can draft (a draft
+model's own prefill of a long prompt): the caller passes that *setup* time per row. The policy
+pays it only where the speculation it buys is expected to repay it over the rest of the
+request (the time to the end with setup and drafts against plain decoding's), and never for a
+probe: a probe must stay cheap.
+
 A proposer whose drafting costs at most ``look_cost`` of a plain target step (measured: the
 lookup methods) is not gated before it runs: it drafts the full k, and the gate, probes
 included, acts on the drafts in ``trim`` (a draft's label says more than the row's alpha).
@@ -297,19 +303,38 @@ class Policy:
     def alpha(self, row: int) -> float:
         return self.evidence.get(row, _Evidence()).alpha(self.config.prior)
 
-    def budgets(self, caps: Seq[int], batch: int, remaining: Seq[int] | None = None) -> list[int]:
+    def budgets(self, caps: Seq[int], batch: int, remaining: Seq[int] | None = None,
+                setup: Seq[float] | None = None) -> list[int]:
         """Draft length per row. caps[row]: the most that row may draft (0 = idle/finished).
         batch: rows in the target forward (its cost depends on it). remaining[row]: tokens the
-        row may still emit, for a static batch (see the module doc); None = throughput."""
+        row may still emit, for a static batch (see the module doc); None = throughput.
+        setup[row]: seconds the proposer must spend before it can draft for the row (None =
+        none; see the module doc)."""
         k = self.config.k
         if self.config.kind == "fixed":
             return [min(k, c) for c in caps]
         self._settle_probe()
-        self.looking = self._cheap_to_look(batch)
+        paying = max((t for t, c in zip(setup or (), caps) if c > 0), default=0.0)
+        self.looking = paying == 0 and self._cheap_to_look(batch)
         if self.looking:  # drafting is nearly free: see the drafts first, decide in trim()
             return [min(k, c) for c in caps]
-        best = self._gate(self.best_length(caps, batch, self._remaining(remaining)), batch)
+        best = self.best_length(caps, batch, self._remaining(remaining))
+        if best > 0 and paying > 0 and not self._repays(best, paying, caps, batch, remaining):
+            best = 0
+        best = self._gate(best, batch, paying)
         return [min(best, c) for c in caps]
+
+    def _repays(self, k: int, setup: float, caps: Seq[int], batch: int, remaining: Seq[int] | None) -> bool:
+        """Whether drafting k tokens per step for the rest of the batch, after ``setup``
+        seconds, ends sooner than plain decoding (rows' remaining tokens: ``remaining``, else
+        ``PROBE_GAP_MAX`` each)."""
+        assert self.cost is not None
+        live = [row for row, c in enumerate(caps) if c > 0]
+        left = [remaining[row] if remaining is not None else PROBE_GAP_MAX for row in live]
+        q_max = 1 + self.config.k
+        steps = max(r / expected_tokens(self.alpha(row), min(k, caps[row])) for row, r in zip(live, left))
+        spec = setup + steps * (self.cost.latency(batch, 1 + k, q_max) + self.propose_cost.estimate(k))
+        return spec < max(left) * self.cost.latency(batch, 1, q_max)
 
     def _settle_probe(self) -> None:
         """After a probe step: the next probe comes sooner if it paid, later if not."""
@@ -318,14 +343,15 @@ class Policy:
             self.probe_gap = self.config.probe_every if paid else min(2 * self.probe_gap, PROBE_GAP_MAX)
             self.probing = self.probe_paid = False
 
-    def _gate(self, best: int, batch: int) -> int:
+    def _gate(self, best: int, batch: int, setup: float = 0.0) -> int:
         """``best`` (the chosen draft length) or, after ``probe_gap`` idle steps in a row, a
-        cheap probe of ``probe_k`` tokens (then ``probing`` is set)."""
+        cheap probe of ``probe_k`` tokens (then ``probing`` is set); ``setup``: seconds the
+        proposer would spend first (counted in the probe's price)."""
         if best > 0:
             self.idle_steps = 0
             return best
         self.idle_steps += 1
-        if self.idle_steps >= self.probe_gap and self._cheap_probe(batch):
+        if self.idle_steps >= self.probe_gap and self._cheap_probe(batch, setup):
             self.idle_steps = 0
             self.probing = True  # this step's drafts are for evidence: trim() keeps them
             return self.config.probe_k
@@ -343,11 +369,11 @@ class Policy:
         """The remaining counts the objective uses (none for throughput)."""
         return remaining if self.config.objective == "batch-end" else None
 
-    def _cheap_probe(self, batch: int) -> bool:
+    def _cheap_probe(self, batch: int, setup: float = 0.0) -> bool:
         assert self.cost is not None
         q_max = 1 + self.config.k
-        ratio = self.cost.latency(batch, 1 + self.config.probe_k, q_max) / self.cost.latency(batch, 1, q_max)
-        return ratio <= self.config.probe_cost
+        probe = self.cost.latency(batch, 1 + self.config.probe_k, q_max) + setup
+        return probe / self.cost.latency(batch, 1, q_max) <= self.config.probe_cost
 
     def best_length(self, caps: Seq[int], batch: int, remaining: Seq[int] | None = None) -> int:
         """The K in 0..k with the most progress per second (see the module doc). A row with

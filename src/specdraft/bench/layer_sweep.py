@@ -13,6 +13,9 @@ and the verification of 1 + k tokens costs what the float32 cost curve of the ru
 with c(q) the latency of a forward over q new tokens. The default L is the one that maximises
 it under the layers model (as the issue asked), reported next to the head model's choice.
 
+With ``--last M`` every L also drafts with the last M layers (a middle block skipped); the
+draft then costs (L + M)/N.
+
 Run: ``python -m specdraft.bench.layer_sweep --out results/layer-skip``
 """
 
@@ -46,6 +49,7 @@ class LayerSweepConfig:
     max_new_tokens: int = 64
     max_prompt: int = 1024
     k: int = 4
+    last: int = 0  # also draft with the target's last layers (skip a middle block), see LayerSkipConfig
     model: str | None = None
     runtime: str = "results/runtime/runtime.json"  # the float32 cost curve
     out: str = "results/layer-skip"
@@ -64,14 +68,14 @@ def build_prompts(loaded: LoadedModel, cfg: LayerSweepConfig) -> list[tuple[str,
 def measure(loaded: LoadedModel, prompts: list[list[int]], refs: list[list[int]], layers: int,
             cfg: LayerSweepConfig) -> dict[str, Any]:
     """Generate every prompt at batch 1 with L = ``layers``; acceptance, tau, identical count."""
-    proposer = LayerSkipProposer(loaded.model, layers)
+    proposer = LayerSkipProposer(loaded.model, layers, last=cfg.last)
     engine = Engine(loaded.model, loaded.tokenizer, proposer, Policy(PolicyConfig(kind="fixed", k=cfg.k)))
     gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens)
     stats = SpecStats()
     identical = 0
     for ids, ref in zip(prompts, refs):
         identical += engine.generate([ids], gen, stats=stats)[0].tokens == ref
-    return {"layers": layers, "acceptance": stats.acceptance_rate, "tau": stats.tau,
+    return {"layers": layers, "last": cfg.last, "acceptance": stats.acceptance_rate, "tau": stats.tau,
             "acceptance_by_position": stats.acceptance_by_position, "steps": stats.steps,
             "emitted": stats.emitted, "identical": identical, "prompts": len(prompts)}
 
@@ -99,7 +103,7 @@ def add_estimates(rows: list[dict[str, Any]], curve: dict[int, float], total: in
     c1 = curve[1]
     verify = float(np.interp(1 + k, qs, [curve[q] for q in qs]))
     for row in rows:
-        frac = row["layers"] / total
+        frac = (row["layers"] + row.get("last", 0)) / total
         frac_head = head + (1 - head) * frac
         row["cost_fraction"] = frac
         row["cost_fraction_with_head"] = frac_head
@@ -113,7 +117,7 @@ def run_layer_sweep(cfg: LayerSweepConfig, log: Any = print) -> dict[str, Any]:
     prompts = [ids for _, ids in labelled]
     plain = Engine(loaded.model, loaded.tokenizer)
     refs = [plain.generate([ids], GenerationConfig(max_new_tokens=cfg.max_new_tokens))[0].tokens for ids in prompts]
-    log(f"{len(prompts)} prompts, {loaded.config.num_layers} layers, k={cfg.k}")
+    log(f"{len(prompts)} prompts, {loaded.config.num_layers} layers, k={cfg.k}, last={cfg.last}")
     rows = []
     for layers in cfg.layers:
         rows.append(measure(loaded, prompts, refs, layers, cfg))
@@ -149,7 +153,9 @@ def write_outputs(results: dict[str, Any], folder: Path) -> list[Path]:
 
 
 def table(results: dict[str, Any]) -> str:
-    headers = ["L", "acceptance", "tau", "L/N", "est. speedup", "est. speedup (head)", "identical"]
+    last = results["config"].get("last", 0)
+    headers = ["L" if not last else f"L (+ last {last})", "acceptance", "tau", "draft layers / N", "est. speedup",
+               "est. speedup (head)", "identical"]
     rows = [[r["layers"], f"{r['acceptance']:.3f}", f"{r['tau']:.2f}", f"{r['cost_fraction']:.2f}",
              f"{r['est_speedup']:.2f}", f"{r['est_speedup_with_head']:.2f}", f"{r['identical']}/{r['prompts']}"]
             for r in results["rows"]]
@@ -174,7 +180,8 @@ def plot(results: dict[str, Any], path: Path) -> Path:
     bottom.plot(xs, [r["est_speedup"] for r in rows], "o-", label="draft cost L/N")
     bottom.plot(xs, [r["est_speedup_with_head"] for r in rows], "s--", label="draft cost with LM head")
     bottom.axhline(1.0, color="grey", lw=0.8)
-    bottom.set_xlabel(f"drafting layers L (of {results['num_layers']})")
+    last = results["config"].get("last", 0)
+    bottom.set_xlabel(f"drafting layers L (of {results['num_layers']})" + (f", plus the last {last}" if last else ""))
     bottom.set_ylabel("estimated speedup")
     bottom.legend()
     cfg = results["config"]
@@ -194,11 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", default=None, help="comma-separated L values")
     parser.add_argument("--per-workload", type=int, default=defaults.per_workload)
     parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
+    parser.add_argument("--last", type=int, default=0,
+                        help="also draft with the target's last N layers (skip a middle block)")
     parser.add_argument("--model", default=None)
     args = parser.parse_args(argv)
     layers = tuple(int(x) for x in args.layers.split(",")) if args.layers else defaults.layers
     cfg = LayerSweepConfig(layers=layers, per_workload=args.per_workload, max_new_tokens=args.max_new_tokens,
-                           model=args.model, out=args.out)
+                           last=args.last, model=args.model, out=args.out)
     results = run_layer_sweep(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
     for p in write_outputs(results, Path(cfg.out)):
         print(f"wrote {p}")

@@ -180,6 +180,7 @@ class Transformer(nn.Module):
         mask: Tensor | None = None,
         *,
         num_layers: int | None = None,
+        layers: tuple[int, ...] | None = None,
         return_hidden: tuple[int, ...] = (),
         logits: bool = True,
     ) -> ModelOutput:
@@ -193,14 +194,14 @@ class Transformer(nn.Module):
                     [B, T, T] over the new tokens (the committed prefix is always visible), or
                     [B, T, max(lengths) + T] over cached + new positions.
         num_layers: run only the first L layers, then the final norm and LM head (early exit).
+        layers:     run only these layers (increasing indices; e.g. the first and the last few,
+                    skipping a middle block), then the final norm and LM head. Excludes num_layers.
         return_hidden: layer indices i whose outputs to return (0 = embeddings, L = last layer).
         logits:     compute the LM head (False when only hidden states are needed).
         """
         c = self.config
         b, t = tokens.shape
-        depth = c.num_layers if num_layers is None else num_layers
-        if not 1 <= depth <= c.num_layers:
-            raise ValueError(f"num_layers must be in 1..{c.num_layers}, got {depth}")
+        ids = self._layer_ids(num_layers, layers)
         cache.check_room(t)
         if int(positions.max()) >= c.max_position:
             raise ContextOverflowError(
@@ -215,13 +216,26 @@ class Transformer(nn.Module):
         sin = self.rope_sin[positions].unsqueeze(2).to(self.dtype)  # [B, T, 1, D], sign folded in
         x = self.embed(tokens)  # [B, T, H]
         hidden = {0: x} if 0 in return_hidden else {}
-        for i in range(depth):
+        for i in ids:
             x = self.layers[i](x, cos, sin, full_mask, cache, i, plan)
             if i + 1 in return_hidden:
                 hidden[i + 1] = x
         cache.advance(t)
         x = self.norm(x)
         return ModelOutput(logits=self.lm_logits(x) if logits else None, last_hidden=x, hidden=hidden)
+
+    def _layer_ids(self, num_layers: int | None, layers: tuple[int, ...] | None) -> range | tuple[int, ...]:
+        total = self.config.num_layers
+        if layers is not None:
+            if num_layers is not None:
+                raise ValueError("give num_layers or layers, not both")
+            if not layers or list(layers) != sorted(set(layers)) or not 0 <= layers[0] <= layers[-1] < total:
+                raise ValueError(f"layers must be increasing indices in 0..{total - 1}, got {layers}")
+            return layers
+        depth = total if num_layers is None else num_layers
+        if not 1 <= depth <= total:
+            raise ValueError(f"num_layers must be in 1..{total}, got {depth}")
+        return range(depth)
 
     def lm_logits(self, last_hidden: Tensor) -> Tensor:
         """The LM head on final-norm hidden states: [..., H] -> [..., V] float32."""

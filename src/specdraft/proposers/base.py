@@ -16,6 +16,10 @@ implement ``snapshot()`` and ``restore(snapshot)``, so that a benchmark's repeat
 the same prompts each start from the same memory instead of drafting from their own
 earlier outputs.
 
+A proposer that must catch up on a request's context before it can draft (a draft model's
+own prefill) may implement ``setup_seconds(seqs) -> list[float]``: the estimated time per row
+(``None`` rows: 0). The adaptive policy then pays it only where it is repaid (``policy.py``).
+
 The sequence's ``tokens`` (prompt + emitted tokens, only ever growing) is the context.
 
 The target's cache is lent to ``propose``: row ``r`` holds the keys/values of

@@ -18,12 +18,18 @@ next catch-up feeds the rest. The cache is allocated at the first ``propose`` of
 
 A draft whose context is shorter than a request needs stops drafting for that request (the
 budget is clamped; output is unchanged, only speculation stops).
+
+Catching up on a long prompt is the expensive part (the draft's own prefill): before a step,
+``setup_seconds`` tells the policy what each row's backlog would cost, from a measured time
+per token, so that it drafts (or probes) only where the speculation it buys can repay that.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+
+import time
 
 import torch
 from torch import Tensor
@@ -42,6 +48,7 @@ from specdraft.sequence import Sequence
 
 DRAFT_DTYPES = ("float32", "bfloat16", "float16")
 CATCH_UP_CHUNK = 512  # tokens per forward when catching up (as the engine's prefill chunks)
+SETUP_MIN_TOKENS = 64  # backlogs shorter than this are part of an ordinary step (ProposeCost)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +100,7 @@ class DraftModelProposer:
         self.cache: KVCache | None = None
         self.capacity: dict[int, int] = {}  # row -> positions its request may use
         self.pending: dict[int, _Pending] = {}
+        self.seconds_per_token: float | None = None  # catch-up time per token (measured)
 
     # -- rows ---------------------------------------------------------------------------------
     def begin(self, row: int, seq: Sequence) -> None:
@@ -113,6 +121,34 @@ class DraftModelProposer:
         lengths = list(self.cache.lengths)
         lengths[row] = length
         self.cache.truncate(lengths)
+
+    # -- cost ---------------------------------------------------------------------------------
+    def setup_seconds(self, seqs: Seq[Sequence | None]) -> list[float]:
+        """Per row: the estimated time to catch up on its backlog before it can draft (0 for
+        backlogs under ``SETUP_MIN_TOKENS``: those are part of an ordinary step)."""
+        backlog = [0 if s is None else len(s.tokens) - 1 - self._cached(r) for r, s in enumerate(seqs)]
+        if max(backlog, default=0) < SETUP_MIN_TOKENS:
+            return [0.0] * len(seqs)
+        rate = self._rate()
+        return [rate * n if n >= SETUP_MIN_TOKENS else 0.0 for n in backlog]
+
+    def _cached(self, row: int) -> int:
+        c = self.cache
+        return c.lengths[row] if c is not None and row < c.batch_size and row in self.capacity else 0
+
+    @torch.inference_mode()
+    def _rate(self) -> float:
+        """Seconds per caught-up token: measured on real catch-ups, or, before the first one,
+        on two forwards of ``SETUP_MIN_TOKENS`` tokens (the first warms up)."""
+        if self.seconds_per_token is None:
+            n = SETUP_MIN_TOKENS
+            tokens = torch.zeros(1, n, dtype=torch.long, device=self.draft.device)
+            positions = torch.arange(n, device=self.draft.device)[None]
+            for _ in range(2):
+                t0 = time.perf_counter()
+                self.draft(tokens, positions, self.draft.new_cache(1, n), logits=False)
+                self.seconds_per_token = (time.perf_counter() - t0) / n
+        return self.seconds_per_token
 
     # -- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -152,6 +188,7 @@ class DraftModelProposer:
                 lengths[r] = min(lengths[r], len(s.tokens) - 1)
         cache.truncate(lengths)
         todo = [s.tokens[n:] if s is not None else [] for s, n in zip(seqs, lengths)]
+        t0, fed = time.perf_counter(), sum(len(t) for t in todo)
         hidden = torch.zeros(len(seqs), self.draft.config.hidden_size, dtype=self.draft.dtype, device=self.draft.device)
         done = [False] * len(seqs)
         fresh = [r for r, (t, n) in enumerate(zip(todo, lengths)) if t and n == 0]
@@ -161,6 +198,8 @@ class DraftModelProposer:
                 self._feed_group(cache, rows, todo, hidden, done)
             todo = [[] if r in fresh else t for r, t in enumerate(todo)]
         self._feed(cache, todo, hidden, done)
+        if fed >= SETUP_MIN_TOKENS:
+            self.seconds_per_token = (time.perf_counter() - t0) / fed
         return self.draft.lm_logits(hidden), done
 
     def _feed_group(self, cache: KVCache, rows: list[int], todo: list[list[int]], hidden: Tensor,

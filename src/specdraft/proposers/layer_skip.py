@@ -1,12 +1,15 @@
 """Self-speculation by early exit: the target's first L layers (then its final norm and LM
-head) draft the tokens. No extra weights and no extra cache.
+head) draft the tokens; optionally its last few layers too, skipping only a middle block
+(``last``). No extra weights and no extra cache.
 
 The target's cache, lent to ``propose``, already holds every row's committed prefix for all
 layers, so the first L of them are exactly the draft's context. Each level feeds one token per
 row (the root first, at position ``cache.lengths[row]``, then each drafted token) through the
 first L layers, writing only scratch positions past the committed lengths, which are restored
-before returning (the verifier overwrites the scratch). Chain drafting, greedy and sampled, is
-shared with the draft-model proposer (:mod:`.autoregressive`).
+before returning (the verifier overwrites the scratch). With ``last`` > 0 the last layers
+attend to the target's own keys and values of the committed prefix, as skip-the-middle
+self-speculation does (Draft & Verify, SWIFT): only the drafted positions see the skip. Chain
+drafting, greedy and sampled, is shared with the draft-model proposer (:mod:`.autoregressive`).
 
 The default L comes from a measurement on SmolLM2-135M (30 layers): see
 ``results/layer-skip`` and ``docs/methods/layer-skip.md``.
@@ -34,15 +37,20 @@ DEFAULT_LAYERS = 4  # chosen by the sweep in results/layer-skip (see the module 
 @dataclass(frozen=True, slots=True)
 class LayerSkipConfig:
     """layers: how many of the target's first layers draft (1..num_layers-1; fewer = cheaper
-    drafts that are accepted less often). branches: candidates at the first draft position
-    (1 = a chain; b > 1 = a tree whose first candidate continues as the chain)."""
+    drafts that are accepted less often). last: also run the target's last ``last`` layers,
+    skipping the block in between (0 = early exit; layers + last <= num_layers - 1).
+    branches: candidates at the first draft position (1 = a chain; b > 1 = a tree whose first
+    candidate continues as the chain)."""
 
     layers: int = DEFAULT_LAYERS
     branches: int = 1
+    last: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.layers, int) or self.layers < 1:
             raise SpecdraftError(f"layer-skip: layers must be an integer >= 1, got {self.layers!r}")
+        if not isinstance(self.last, int) or self.last < 0:
+            raise SpecdraftError(f"layer-skip: last must be an integer >= 0, got {self.last!r}")
         if not isinstance(self.branches, int) or not 1 <= self.branches <= 16:
             raise SpecdraftError(f"layer-skip: branches must be in 1..16, got {self.branches!r}")
 
@@ -50,13 +58,23 @@ class LayerSkipConfig:
 class LayerSkipProposer:
     name = "layer-skip"
 
-    def __init__(self, target: Transformer, layers: int, branches: int = 1) -> None:
+    def __init__(self, target: Transformer, layers: int, branches: int = 1, last: int = 0) -> None:
         total = target.config.num_layers
         if not 1 <= layers < total:
             raise SpecdraftError(f"layer-skip: layers must be in 1..{total - 1} for this {total}-layer model, got {layers}")
+        if layers + last >= total:
+            raise SpecdraftError(f"layer-skip: layers + last must be at most {total - 1} for this {total}-layer model "
+                                 f"(at least one layer skipped), got {layers} + {last}")
         self.target = target
         self.layers = layers
+        self.last = last
         self.branches = branches
+        # the layers that draft: the first `layers`, then the last `last` (None: early exit)
+        self.layer_ids = (*range(layers), *range(total - last, total)) if last else None
+
+    @property
+    def drafting_layers(self) -> int:
+        return self.layers + self.last
 
     def begin(self, row: int, seq: Sequence) -> None:
         pass
@@ -69,7 +87,7 @@ class LayerSkipProposer:
         if not any(s is not None and b > 0 for s, b in zip(seqs, budgets)):
             return [Draft.empty() for _ in seqs]
         committed = list(cache.lengths)
-        drafter = Drafter(self.target, cache, self.layers)
+        drafter = Drafter(self.target, cache, None if self.last else self.layers, self.layer_ids)
         try:
             root_logits = drafter.step([s.tokens[-1] if s is not None else 0 for s in seqs])  # [B, V]
             vocab = self.target.config.vocab_size
@@ -87,4 +105,4 @@ class LayerSkipProposer:
 def make_layer_skip_proposer(config: LayerSkipConfig, context: ProposerContext | None) -> LayerSkipProposer:
     if context is None:
         raise SpecdraftError("method 'layer-skip' needs the target model (a ProposerContext)")
-    return LayerSkipProposer(context.target, config.layers, config.branches)
+    return LayerSkipProposer(context.target, config.layers, config.branches, config.last)
