@@ -590,3 +590,30 @@ def test_batch_invariant_tokens_are_bit_identical_to_one_token_steps(invariant: 
     batch.truncate([560, 530])
     both = m(torch.tensor([[1], [chain[0]]]), torch.tensor([[560], [530]]), batch).logits
     assert torch.equal(both[1, 0], steps[0])
+
+
+@torch.inference_mode()
+def test_batch_invariant_prompts_do_not_depend_on_batch_mates(invariant: Transformer) -> None:
+    """A prompt prefilled with ``prompt=`` (one attention call per row) leaves the same bits in
+    the cache whether the row is alone or right-padded next to a longer one (chunked at the
+    same positions, as the engine's prefill always is); and the tokens decoded after it,
+    verified together or one by one, agree bit for bit."""
+    m, v = invariant, invariant.config.vocab_size
+    mine, other = random_tokens(1, 530, v, seed=6), random_tokens(1, 560, v, seed=7)
+    alone = m.new_cache(1, 600)
+    m(mine[:, :300], torch.arange(300)[None], alone, prompt=[300])
+    m(mine[:, 300:], 300 + torch.arange(230)[None], alone, prompt=[230])
+    both = m.new_cache(2, 600)
+    padded = torch.cat([other, torch.cat([mine, torch.zeros(1, 30, dtype=torch.long)], 1)])
+    m(padded[:, :300], torch.arange(300).expand(2, 300), both, prompt=[300, 300])
+    m(padded[:, 300:], 300 + torch.arange(260).expand(2, 260), both, prompt=[260, 230])
+    both.truncate([560, 530])
+    for cache in ("k", "v"):
+        assert torch.equal(getattr(both, cache)[:, 1, :, :530], getattr(alone, cache)[:, 0, :, :530]), cache
+    chain = random_tokens(1, 6, v, seed=8)[0].tolist()
+    steps = []
+    for i, tok in enumerate(chain):
+        steps.append(m(torch.tensor([[1, tok]]).T, torch.tensor([[560 + i], [530 + i]]), both).logits[1, 0])
+    together = m(torch.tensor([chain]), (530 + torch.arange(6))[None], alone).logits[0]
+    for i in range(6):
+        assert torch.equal(together[i], steps[i]), f"chain token {i}"

@@ -139,7 +139,8 @@ class Engine:
             t = min(chunk, width - start)
             tokens = padded[:, start : start + t].to(device)  # [B, t]
             positions = torch.tensor(cache.lengths, device=device)[:, None] + torch.arange(t, device=device)
-            out = self.model(tokens, positions, cache, logits=False)
+            real = [max(0, min(n, start + t) - start) for n in lengths]  # each row's prompt tokens here
+            out = self.model(tokens, positions, cache, logits=False, prompt=real)
             for i, n in enumerate(lengths):
                 if start <= n - 1 < start + t:
                     last_hidden[i] = out.last_hidden[i, n - 1 - start]

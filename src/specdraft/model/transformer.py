@@ -55,17 +55,18 @@ class Block(nn.Module):
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache, layer: int,
-        plan: "KeyPlan | None" = None,
+        plan: "KeyPlan | PromptRows | None" = None,
     ) -> Tensor:
         """x: [B, T, H]; cos, sin: [B, T, 1, D]; mask: [B, 1, G*T, S] bool (True = attend) or None;
-        plan: per-query key selections for batch-invariant attention (None = one fused call)."""
+        plan: batch-invariant attention, per query (KeyPlan) or per prompt row (PromptRows);
+        None = one fused call."""
         x = x + self.attention(self.attn_norm(x), cos, sin, mask, cache, layer, plan)
         gate, up = self.w_gate_up(self.ffn_norm(x)).chunk(2, dim=-1)
         return x + self.w_down(F.silu(gate) * up)
 
     def attention(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache, layer: int,
-        plan: "KeyPlan | None" = None,
+        plan: "KeyPlan | PromptRows | None" = None,
     ) -> Tensor:
         c = self.c
         b, t, _ = x.shape
@@ -78,6 +79,8 @@ class Block(nn.Module):
         keys, values = cache.write(layer, k, v)  # [B, Hkv, S, D]
         if plan is None:
             out = grouped_attention(q, keys, values, mask, c.group_size)  # [B, Hq, T, D]
+        elif isinstance(plan, PromptRows):
+            out = prompt_attention(q, keys, values, plan, c.group_size)  # [B, Hq, T, D]
         else:
             out = invariant_attention(q, keys, values, plan, c.group_size)  # [B, Hq, T, D]
         return self.wo(out.transpose(1, 2).reshape(b, t, hq * c.head_dim))
@@ -116,6 +119,34 @@ def invariant_attention(q: Tensor, k: Tensor, v: Tensor, plan: KeyPlan, group: i
             vb = v[b : b + 1, :, :sel] if isinstance(sel, int) else v[b : b + 1, :, sel]
             qt = q[b : b + 1, :, t : t + 1].contiguous()  # [1, Hq, 1, D], laid out as a one-token step
             out[b : b + 1, :, t : t + 1] = grouped_attention(qt, kb, vb, None, group)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class PromptRows:
+    """A chunk of prompts in a batch-invariant model: row b's first ``real[b]`` new tokens are
+    its prompt, after ``lengths[b]`` cached ones (the rest of the row is padding)."""
+
+    lengths: list[int]
+    real: list[int]
+
+
+def prompt_attention(q: Tensor, k: Tensor, v: Tensor, rows: PromptRows, group: int) -> Tensor:
+    """Causal attention over each row's own prompt tokens, one fused call per row whose shapes
+    depend on that row alone (its cached length and real token count), so a row's prompt
+    gets the same bits whatever its batch mates. Prompt tokens are never compared with
+    one-token steps (plain and speculative decoding prefill the same way), so one call per row
+    is enough; padding positions are left zero.
+
+    q: [B, Hq, T, D]; k, v: [B, Hkv, S, D]. Returns [B, Hq, T, D]."""
+    out = torch.zeros_like(q)
+    for b, (n, r) in enumerate(zip(rows.lengths, rows.real)):
+        if r == 0:
+            continue
+        s = n + r
+        seen = torch.arange(s, device=q.device)[None, :] <= n + torch.arange(r, device=q.device)[:, None]  # [r, s]
+        mask = seen.repeat(group, 1)[None, None]  # [1, 1, G*r, s], rows in stacked-query order
+        out[b : b + 1, :, :r] = grouped_attention(q[b : b + 1, :, :r], k[b : b + 1, :, :s], v[b : b + 1, :, :s], mask, group)
     return out
 
 
@@ -183,6 +214,7 @@ class Transformer(nn.Module):
         layers: tuple[int, ...] | None = None,
         return_hidden: tuple[int, ...] = (),
         logits: bool = True,
+        prompt: list[int] | None = None,
     ) -> ModelOutput:
         """Run the new tokens of every row against that row's cached prefix.
 
@@ -198,6 +230,9 @@ class Transformer(nn.Module):
                     skipping a middle block), then the final norm and LM head. Excludes num_layers.
         return_hidden: layer indices i whose outputs to return (0 = embeddings, L = last layer).
         logits:     compute the LM head (False when only hidden states are needed).
+        prompt:     a prefill chunk (causal, mask None): row b's first prompt[b] tokens are its
+                    prompt, the rest padding. A batch-invariant model then attends one call per
+                    row instead of one per token (see ``prompt_attention``); others ignore it.
         """
         c = self.config
         b, t = tokens.shape
@@ -208,7 +243,11 @@ class Transformer(nn.Module):
                 f"position {int(positions.max())} is past the model's context of {c.max_position}"
             )
         full_mask = attention_mask(cache.lengths, t, mask, tokens.device)  # [B, 1, 1, T, S] | None
-        plan = key_plan(cache.lengths, t, full_mask) if self.batch_invariant else None
+        plan: KeyPlan | PromptRows | None = None
+        if self.batch_invariant and prompt is not None and mask is None:
+            plan = PromptRows(list(cache.lengths), list(prompt))
+        elif self.batch_invariant:
+            plan = key_plan(cache.lengths, t, full_mask)
         if full_mask is not None:  # to SDPA's layout over the stacked query heads: [B, 1, G*T, S]
             g = c.group_size
             full_mask = full_mask.expand(b, 1, g, t, full_mask.shape[-1]).reshape(b, 1, g * t, -1)
