@@ -787,6 +787,22 @@ def test_verify_reuses_cached_plain_outputs(tiny: Setup, tmp_path: Path) -> None
     assert early.get([1, 2, 3]) == ("abc", [7, 8]) and early.get([4]) is None
 
 
+def test_the_reference_cache_is_keyed_by_the_models_numerics(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain outputs from before a change of a mode's numerics are not reused for it; the
+    float32 key (numerics version 1) stays what it was, so earlier caches stay valid."""
+    from specdraft.model.transformer import numerics_version
+    from specdraft.verify import ReferenceCache, VerifyConfig
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"x")
+    plain = ReferenceCache.for_run(VerifyConfig(), model, "cpu")
+    invariant = ReferenceCache.for_run(VerifyConfig(dtype="bfloat16", batch_invariant=True), model, "cpu")
+    assert "numerics" not in plain.conditions and numerics_version(False) == 1
+    assert invariant.conditions["numerics"] == numerics_version(True) > 1
+    assert plain.path != invariant.path
+
+
 def test_draft_up_to_depth_keeps_parents_and_p_draft() -> None:
     d = Draft((5, 6, 7, 8, 9), (-1, 0, -1, 1, 2), torch.eye(5), label="n3")
     cut = d.up_to_depth(2)

@@ -4,7 +4,8 @@ turn matched (otherwise the contexts differ).
 
 Plain outputs are the reference for every method, so they are cached on disk
 (``$SPECDRAFT_CACHE``, default ``~/.cache/specdraft``, under ``verify/``) keyed by the model
-file, dtype, device, thread count, torch version, token limit and the prompt's token ids:
+file, dtype, device, thread count, torch version, the model code's numerics version
+(``numerics_version``), token limit and the prompt's token ids:
 checking a second method costs only its own generations. ``SPECDRAFT_CACHE=off`` disables it.
 """
 
@@ -31,6 +32,7 @@ from specdraft.bench.machine import machine_info
 from specdraft.engine import Engine
 from specdraft.metrics import SpecStats
 from specdraft.model.loader import load
+from specdraft.model.transformer import numerics_version
 from specdraft.sequence import GenerationConfig
 from specdraft.workloads import WORKLOADS, Prompt, fit_messages, load_workload, mixed
 
@@ -82,6 +84,7 @@ class ReferenceCache:
     """Plain greedy outputs on disk, one JSON line per (conditions, prompt ids)."""
 
     def __init__(self, folder: Path | None, conditions: dict[str, Any]) -> None:
+        self.conditions = conditions
         self.path = None if folder is None else folder / "verify" / f"{_digest(conditions)[:24]}.jsonl"
         self.entries: dict[str, dict[str, Any]] = {}
         self.read_to = 0  # bytes of the file already read (other runs may append meanwhile)
@@ -114,6 +117,9 @@ class ReferenceCache:
                       "batch_invariant": cfg.batch_invariant,
                       "threads": torch.get_num_threads(), "torch": torch.__version__,
                       "max_new_tokens": cfg.max_new_tokens}
+        version = numerics_version(cfg.batch_invariant)
+        if version > 1:  # (absent for version 1, so that earlier caches stay valid)
+            conditions["numerics"] = version
         return cls(folder, conditions)
 
     def get(self, ids: list[int]) -> tuple[str, list[int]] | None:
