@@ -17,11 +17,13 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                         "tokenizer.json); default: the embedded SmolLM2-135M-Instruct (Q4_1 GGUF)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="compute dtype; float32 (default) is exact enough for byte-identical "
-                        "speculative output, bfloat16 is about 2x faster on CPUs with bf16 support")
+                        "speculative output; bfloat16 is faster on CPUs with native bf16 (1.35x on "
+                        "the reference machine) and exact with --batch-invariant")
     g.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
     g.add_argument("--batch-invariant", action="store_true",
-                   help="compute each token exactly as a one-token step would (attention per query): "
-                        "speculative output equals plain output in bfloat16 too, at some speed cost")
+                   help="compute each token exactly as a one-token step would (attention per "
+                        "draft token): speculative output equals plain output in bfloat16 too; "
+                        "prompts cost about what they cost without it, verification a little more")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
 
 
