@@ -119,14 +119,17 @@ def invariant_attention(q: Tensor, k: Tensor, v: Tensor, plan: KeyPlan, group: i
     bfloat16 after a few dozen tokens).
 
     q: [B, Hq, T, D]; k, v: [B, Hkv, S, D]. Returns [B, Hq, T, D]."""
-    out = torch.empty_like(q)
+    b_, hq, t_, d = q.shape
+    hkv = k.shape[1]
+    by_token = q.transpose(1, 2).contiguous()  # [B, T, Hq, D]: each token's heads contiguous
+    outs = []
     for b, row in enumerate(plan):
         for t, sel in enumerate(row):
             kb = k[b : b + 1, :, :sel] if isinstance(sel, int) else k[b : b + 1, :, sel]  # [1, Hkv, n, D]
             vb = v[b : b + 1, :, :sel] if isinstance(sel, int) else v[b : b + 1, :, sel]
-            qt = q[b : b + 1, :, t : t + 1].contiguous()  # [1, Hq, 1, D], laid out as a one-token step
-            out[b : b + 1, :, t : t + 1] = grouped_attention(qt, kb, vb, None, group)
-    return out
+            qt = by_token[b, t].view(1, hkv, group, d)  # [1, Hkv, G, D]: the group's heads stacked
+            outs.append(F.scaled_dot_product_attention(qt, kb, vb))  # [1, Hkv, G, D]
+    return torch.stack(outs).view(b_, t_, hq, d).transpose(1, 2)
 
 
 @dataclass(frozen=True, slots=True)
