@@ -28,4 +28,20 @@ $SD bench --methods "ngram,ngram:policy=fixed+k=8" --workloads mixed \
   > /dev/null 2> results/bench-batch.log
 # 3. runtime: plain decode vs transformers, verification cost curve (float32 and bfloat16)
 $SD bench-runtime --out results/runtime > results/runtime/log.txt 2>/dev/null || true
+# 4. numeric modes: float32, bfloat16 with --batch-invariant (exact), bfloat16 (not exact)
+SIX=summarization,rag,code,editing,math,chat
+$SD bench --methods plain,ngram,suffix --workloads $SIX --batch-sizes 1 --samples 3 --repeats 2 --dtype float32 \
+  --out results/bench-dtypes/float32 > /dev/null 2>&1
+$SD bench --methods plain,ngram,suffix --workloads $SIX --batch-sizes 1 --samples 3 --repeats 2 --dtype bfloat16 \
+  --batch-invariant --out results/bench-dtypes/bfloat16-invariant > /dev/null 2>&1
+$SD bench --methods plain,suffix --workloads $SIX --batch-sizes 1 --samples 3 --repeats 2 --dtype bfloat16 \
+  --out results/bench-dtypes/bfloat16 > /dev/null 2>&1
+.venv/bin/python scripts/dtype_table.py results/bench-dtypes > /dev/null
+# 5. the draft model under the setup-priced policy, short and long prompts
+$SD bench --methods "plain,draft:path=$DRAFT" --workloads $ALL --batch-sizes 1 --samples 3 --repeats 2 \
+  --max-new-tokens 64 --out results/bench-draft-policy > /dev/null 2>&1
+$SD bench --methods "plain,draft:path=$DRAFT" --workloads long_summarization --batch-sizes 1 --samples 2 \
+  --repeats 2 --max-new-tokens 64 --out results/bench-long-draft > /dev/null 2>&1
+# 6. copy and lookup ceilings of the bench's requests (from the committed plain outputs; seconds)
+.venv/bin/python scripts/suffix_sim.py ceilings $ALL --samples 3 --tokens 64 --bench results/bench-methods/results.json
 echo done
