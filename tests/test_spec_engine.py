@@ -803,6 +803,16 @@ def test_the_reference_cache_is_keyed_by_the_models_numerics(tmp_path: Path, mon
     assert plain.path != invariant.path
 
 
+def test_acceptance_by_position_keeps_positions_never_accepted() -> None:
+    stats = SpecStats()
+    stats.record(Draft.chain([5, 6, 7]), Acceptance((0,), (5, 9)), 2)
+    stats.record(Draft.chain([5, 6]), Acceptance((), (4,)), 1)
+    assert stats.acceptance_by_position == [0.5, 0.0, 0.0]
+    never = SpecStats()
+    never.record(Draft.chain([1, 2]), Acceptance((), (3,)), 1)
+    assert never.acceptance_by_position == [0.0, 0.0] and "by position [0.00, 0.00]" in never.summary()
+
+
 def test_draft_up_to_depth_keeps_parents_and_p_draft() -> None:
     d = Draft((5, 6, 7, 8, 9), (-1, 0, -1, 1, 2), torch.eye(5), label="n3")
     cut = d.up_to_depth(2)

@@ -76,7 +76,10 @@ class SpecStats:
 
     @property
     def acceptance_by_position(self) -> list[float]:
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafts_at)]
+        """Per draft position (1, 2, ...): the share of drafts reaching it that had it accepted
+        (positions nothing was ever accepted at count 0.0; they are not dropped)."""
+        accepted = self.accepted_at + [0] * (len(self.drafts_at) - len(self.accepted_at))
+        return [a / d if d else 0.0 for a, d in zip(accepted, self.drafts_at)]
 
     @property
     def tokens_per_s(self) -> float:
