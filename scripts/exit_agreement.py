@@ -23,7 +23,7 @@ WORKLOADS = ("summarization", "code", "qa", "creative", "math")
 
 def subsets(n: int) -> dict[str, tuple[int, ...]]:
     out = {}
-    for keep in (24, 20, 16, 12):
+    for keep in (k for k in (24, 20, 16, 12) if k < n):
         out[f"first {keep}"] = tuple(range(keep))
         for first in (keep // 2, keep * 2 // 3):
             out[f"first {first} + last {keep - first}"] = (*range(first), *range(n - keep + first, n))

@@ -162,9 +162,9 @@ def ceilings(workloads: list[str], folder: Path, samples: int, curve: dict[int, 
             f = plain[w]["prefill_s"] / plain[w]["time_s"]
             e2e = [1 / (f + (1 - f) / x) for x in bounds]
             live = max((r for r in rows if r["batch"] == 1 and r["workload"] == w and r["method"] != "plain"),
-                       key=lambda r: r["tau"])
+                       key=lambda r: r["tau"], default=None)
             cells += [f"{f:.0%}", f"{e2e[1]:.2f}x / {e2e[0]:.2f}x",
-                      f"{live['tau']:.2f} ({live['speedup']:.2f}x, {live['method']})"]
+                      f"{live['tau']:.2f} ({live['speedup']:.2f}x, {live['method']})" if live else "-"]
         print(f"| {w} | " + " | ".join(cells) + " |", flush=True)
 
 

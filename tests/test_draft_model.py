@@ -197,6 +197,10 @@ def test_setup_seconds_price_a_long_backlog_only(setup: Setup, tiny_hf: Path) ->
     proposer.end(0)
     proposer.begin(0, long_seq)  # a new request in row 0: its whole prompt is backlog again
     assert proposer.setup_seconds([long_seq, None])[0] == pytest.approx(149 * proposer.seconds_per_token)
+    limit = draft.config.max_context  # a row past the draft's context is never drafted for: no setup
+    beyond = Sequence(prompt=[5] * limit, config=GEN, tokenizer=setup.target.tokenizer, capacity=limit + 30)
+    proposer.begin(1, beyond)
+    assert proposer.setup_seconds([long_seq, beyond])[1] == 0.0
 
 
 class Priced:

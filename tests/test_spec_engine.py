@@ -645,7 +645,16 @@ def test_a_proposers_setup_time_is_paid_only_where_it_is_repaid() -> None:
     _evidence(low, 0, 50, accepted=0)
     assert [low.budgets([8], 1, [64], [0.1])[0] for _ in range(4)] == [0, 0, 0, config.probe_k]  # cheap probe
     low.observe(0, Draft.chain(range(config.probe_k)), Acceptance((), (1,)))
-    assert [low.budgets([8], 1, [64], [3.0])[0] for _ in range(40)] == [0] * 40  # a probe must stay cheap
+    # a setup over 5% of the plain decoding left (64 s here) is not paid for a probe ...
+    assert [low.budgets([8], 1, [64], [3.5])[0] for _ in range(40)] == [0] * 40
+    # ... under it, it is: a long generation may find out whether drafting pays again
+    assert config.probe_k in [low.budgets([8], 1, [1000], [3.5])[0] for _ in range(40)]
+    # rows catch up together: their setups add up (two rows of 2 s: 4 s, over 5% of 64 s)
+    two = Policy(config, cost_table(2, per_token=0.1))
+    for row in (0, 1):
+        two.begin(row)
+        _evidence(two, row, 50, accepted=0)
+    assert [two.budgets([8, 8], 2, [64, 64], [2.0, 2.0]) for _ in range(40)] == [[0, 0]] * 40
 
 
 def test_fixed_policy_returns_k_capped() -> None:

@@ -247,7 +247,8 @@ class Engine:
         free = cache.capacity - 1 - max(running, default=0)  # positions left after the root token
         caps = [0 if s.finished else max(0, min(s.room - 1, free)) for s in seqs]
         setup = getattr(self.proposer, "setup_seconds", None)  # optional (proposers/base.py)
-        pending = setup([None if s.finished else s for s in seqs]) if setup is not None else None
+        adaptive = self.policy.config.kind == "adaptive"  # the fixed policy does not weigh costs
+        pending = setup([None if s.finished else s for s in seqs]) if setup is not None and adaptive else None
         return self.policy.budgets(caps, len(seqs), remaining(seqs), pending)
 
     def _propose(self, seqs: list[Sequence], budgets: list[int], cache: KVCache) -> list[Draft]:

@@ -30,8 +30,9 @@ it: on traffic that never accepts, probing costs little.
 A proposer may first have to catch up on a request's context before it can draft (a draft
 model's own prefill of a long prompt): the caller passes that *setup* time per row. The policy
 pays it only where the speculation it buys is expected to repay it over the rest of the
-request (the time to the end with setup and drafts against plain decoding's), and never for a
-probe: a probe must stay cheap.
+request (the time to the end with setup and drafts against plain decoding's). A probe may pay
+a setup only if it is small next to the plain decoding still ahead (``PROBE_SETUP_SHARE``), so
+that a long generation can find out whether drafting pays again after an idle stretch.
 
 A proposer whose drafting costs at most ``look_cost`` of a plain target step (measured: the
 lookup methods) is not gated before it runs: it drafts the full k, and the gate, probes
@@ -244,6 +245,8 @@ class _Evidence:
 
 
 PROBE_GAP_MAX = 64  # the longest wait between probes (steps), after probes that found nothing
+HORIZON_TOKENS = 64  # tokens a row is assumed to have left when the caller does not say
+PROBE_SETUP_SHARE = 0.05  # a probe may pay a setup of up to this share of plain decoding's time left
 LABEL_DECAY = 0.98  # per-label evidence is pooled over many requests: it may remember longer
 
 
@@ -314,23 +317,28 @@ class Policy:
         if self.config.kind == "fixed":
             return [min(k, c) for c in caps]
         self._settle_probe()
-        paying = max((t for t, c in zip(setup or (), caps) if c > 0), default=0.0)
+        paying = sum(t for t, c in zip(setup or (), caps) if c > 0)  # rows catch up together
         self.looking = paying == 0 and self._cheap_to_look(batch)
         if self.looking:  # drafting is nearly free: see the drafts first, decide in trim()
             return [min(k, c) for c in caps]
         best = self.best_length(caps, batch, self._remaining(remaining))
         if best > 0 and paying > 0 and not self._repays(best, paying, caps, batch, remaining):
             best = 0
-        best = self._gate(best, batch, paying)
+        best = self._gate(best, batch, paying, self._horizon(caps, remaining))
         return [min(best, c) for c in caps]
+
+    def _horizon(self, caps: Seq[int], remaining: Seq[int] | None) -> int:
+        """Tokens the longest live row has left (``HORIZON_TOKENS`` when not known)."""
+        live = [row for row, c in enumerate(caps) if c > 0]
+        return max((remaining[row] if remaining is not None else HORIZON_TOKENS for row in live), default=0)
 
     def _repays(self, k: int, setup: float, caps: Seq[int], batch: int, remaining: Seq[int] | None) -> bool:
         """Whether drafting k tokens per step for the rest of the batch, after ``setup``
         seconds, ends sooner than plain decoding (rows' remaining tokens: ``remaining``, else
-        ``PROBE_GAP_MAX`` each)."""
+        ``HORIZON_TOKENS`` each)."""
         assert self.cost is not None
         live = [row for row, c in enumerate(caps) if c > 0]
-        left = [remaining[row] if remaining is not None else PROBE_GAP_MAX for row in live]
+        left = [remaining[row] if remaining is not None else HORIZON_TOKENS for row in live]
         q_max = 1 + self.config.k
         steps = max(r / expected_tokens(self.alpha(row), min(k, caps[row])) for row, r in zip(live, left))
         spec = setup + steps * (self.cost.latency(batch, 1 + k, q_max) + self.propose_cost.estimate(k))
@@ -343,15 +351,15 @@ class Policy:
             self.probe_gap = self.config.probe_every if paid else min(2 * self.probe_gap, PROBE_GAP_MAX)
             self.probing = self.probe_paid = False
 
-    def _gate(self, best: int, batch: int, setup: float = 0.0) -> int:
+    def _gate(self, best: int, batch: int, setup: float = 0.0, horizon: int = HORIZON_TOKENS) -> int:
         """``best`` (the chosen draft length) or, after ``probe_gap`` idle steps in a row, a
         cheap probe of ``probe_k`` tokens (then ``probing`` is set); ``setup``: seconds the
-        proposer would spend first (counted in the probe's price)."""
+        proposer would spend first, ``horizon``: tokens left (see ``_cheap_probe``)."""
         if best > 0:
             self.idle_steps = 0
             return best
         self.idle_steps += 1
-        if self.idle_steps >= self.probe_gap and self._cheap_probe(batch, setup):
+        if self.idle_steps >= self.probe_gap and self._cheap_probe(batch, setup, horizon):
             self.idle_steps = 0
             self.probing = True  # this step's drafts are for evidence: trim() keeps them
             return self.config.probe_k
@@ -369,11 +377,18 @@ class Policy:
         """The remaining counts the objective uses (none for throughput)."""
         return remaining if self.config.objective == "batch-end" else None
 
-    def _cheap_probe(self, batch: int, setup: float = 0.0) -> bool:
+    def _cheap_probe(self, batch: int, setup: float = 0.0, horizon: int = HORIZON_TOKENS) -> bool:
+        """A probe's forward may cost at most ``probe_cost`` plain steps. A proposer's setup
+        must fit in what is left of that allowance, or in ``PROBE_SETUP_SHARE`` of plain
+        decoding's time for the ``horizon`` tokens left: a long generation may pay a short
+        catch-up to find out whether drafting pays again, a short one never pays a prefill."""
         assert self.cost is not None
         q_max = 1 + self.config.k
-        probe = self.cost.latency(batch, 1 + self.config.probe_k, q_max) + setup
-        return probe / self.cost.latency(batch, 1, q_max) <= self.config.probe_cost
+        plain = self.cost.latency(batch, 1, q_max)
+        probe = self.cost.latency(batch, 1 + self.config.probe_k, q_max)
+        if probe > self.config.probe_cost * plain:
+            return False
+        return setup <= max(self.config.probe_cost * plain - probe, PROBE_SETUP_SHARE * horizon * plain)
 
     def best_length(self, caps: Seq[int], batch: int, remaining: Seq[int] | None = None) -> int:
         """The K in 0..k with the most progress per second (see the module doc). A row with

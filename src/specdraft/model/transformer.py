@@ -135,10 +135,20 @@ def invariant_attention(q: Tensor, k: Tensor, v: Tensor, plan: KeyPlan, group: i
 @dataclass(frozen=True, slots=True)
 class PromptRows:
     """A chunk of prompts in a batch-invariant model: row b's first ``real[b]`` new tokens are
-    its prompt, after ``lengths[b]`` cached ones (the rest of the row is padding)."""
+    its prompt, after ``lengths[b]`` cached ones (the rest of the row is padding); ``masks[b]``
+    is its causal mask over its own keys (None for a row without prompt tokens here)."""
 
     lengths: list[int]
     real: list[int]
+    masks: list[Tensor | None]
+
+    @classmethod
+    def build(cls, lengths: list[int], real: list[int], group: int, device: torch.device) -> "PromptRows":
+        masks: list[Tensor | None] = []
+        for n, r in zip(lengths, real):
+            seen = torch.arange(n + r, device=device)[None, :] <= n + torch.arange(r, device=device)[:, None]  # [r, n + r]
+            masks.append(seen.repeat(group, 1)[None, None] if r else None)  # [1, 1, G*r, n + r], stacked-query order
+        return cls(lengths, real, masks)
 
 
 def prompt_attention(q: Tensor, k: Tensor, v: Tensor, rows: PromptRows, group: int) -> Tensor:
@@ -150,12 +160,10 @@ def prompt_attention(q: Tensor, k: Tensor, v: Tensor, rows: PromptRows, group: i
 
     q: [B, Hq, T, D]; k, v: [B, Hkv, S, D]. Returns [B, Hq, T, D]."""
     out = torch.zeros_like(q)
-    for b, (n, r) in enumerate(zip(rows.lengths, rows.real)):
-        if r == 0:
+    for b, (n, r, mask) in enumerate(zip(rows.lengths, rows.real, rows.masks)):
+        if mask is None:
             continue
         s = n + r
-        seen = torch.arange(s, device=q.device)[None, :] <= n + torch.arange(r, device=q.device)[:, None]  # [r, s]
-        mask = seen.repeat(group, 1)[None, None]  # [1, 1, G*r, s], rows in stacked-query order
         out[b : b + 1, :, :r] = grouped_attention(q[b : b + 1, :, :r], k[b : b + 1, :, :s], v[b : b + 1, :, :s], mask, group)
     return out
 
@@ -252,12 +260,15 @@ class Transformer(nn.Module):
             raise ContextOverflowError(
                 f"position {int(positions.max())} is past the model's context of {c.max_position}"
             )
-        full_mask = attention_mask(cache.lengths, t, mask, tokens.device)  # [B, 1, 1, T, S] | None
         plan: KeyPlan | PromptRows | None = None
-        if self.batch_invariant and prompt is not None and mask is None:
-            plan = PromptRows(list(cache.lengths), list(prompt))
-        elif self.batch_invariant:
-            plan = key_plan(cache.lengths, t, full_mask)
+        full_mask = None
+        if self.batch_invariant and prompt is not None and mask is None:  # no full mask needed
+            if len(prompt) != b or not all(0 <= r <= t for r in prompt):
+                raise ValueError(f"prompt must give 0..{t} real tokens for each of {b} rows, got {prompt}")
+            plan = PromptRows.build(list(cache.lengths), list(prompt), c.group_size, tokens.device)
+        else:
+            full_mask = attention_mask(cache.lengths, t, mask, tokens.device)  # [B, 1, 1, T, S] | None
+            plan = key_plan(cache.lengths, t, full_mask) if self.batch_invariant else None
         if full_mask is not None:  # to SDPA's layout over the stacked query heads: [B, 1, G*T, S]
             g = c.group_size
             full_mask = full_mask.expand(b, 1, g, t, full_mask.shape[-1]).reshape(b, 1, g * t, -1)

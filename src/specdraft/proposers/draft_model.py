@@ -125,8 +125,11 @@ class DraftModelProposer:
     # -- cost ---------------------------------------------------------------------------------
     def setup_seconds(self, seqs: Seq[Sequence | None]) -> list[float]:
         """Per row: the estimated time to catch up on its backlog before it can draft (0 for
-        backlogs under ``SETUP_MIN_TOKENS``: those are part of an ordinary step)."""
-        backlog = [0 if s is None else len(s.tokens) - 1 - self._cached(r) for r, s in enumerate(seqs)]
+        backlogs under ``SETUP_MIN_TOKENS``: those are part of an ordinary step; and for rows
+        past the draft's context, which it will never draft for)."""
+        limit = self.draft.config.max_context
+        backlog = [0 if s is None or len(s.tokens) >= limit else len(s.tokens) - 1 - self._cached(r)
+                   for r, s in enumerate(seqs)]
         if max(backlog, default=0) < SETUP_MIN_TOKENS:
             return [0.0] * len(seqs)
         rate = self._rate()
@@ -188,7 +191,7 @@ class DraftModelProposer:
                 lengths[r] = min(lengths[r], len(s.tokens) - 1)
         cache.truncate(lengths)
         todo = [s.tokens[n:] if s is not None else [] for s, n in zip(seqs, lengths)]
-        t0, fed = time.perf_counter(), sum(len(t) for t in todo)
+        t0, fed, longest = time.perf_counter(), sum(len(t) for t in todo), max(map(len, todo), default=0)
         hidden = torch.zeros(len(seqs), self.draft.config.hidden_size, dtype=self.draft.dtype, device=self.draft.device)
         done = [False] * len(seqs)
         fresh = [r for r, (t, n) in enumerate(zip(todo, lengths)) if t and n == 0]
@@ -198,7 +201,7 @@ class DraftModelProposer:
                 self._feed_group(cache, rows, todo, hidden, done)
             todo = [[] if r in fresh else t for r, t in enumerate(todo)]
         self._feed(cache, todo, hidden, done)
-        if fed >= SETUP_MIN_TOKENS:
+        if longest >= SETUP_MIN_TOKENS:  # a real prefill (not many rows' few tokens each)
             self.seconds_per_token = (time.perf_counter() - t0) / fed
         return self.draft.lm_logits(hidden), done
 

@@ -72,10 +72,6 @@ class LayerSkipProposer:
         # the layers that draft: the first `layers`, then the last `last` (None: early exit)
         self.layer_ids = (*range(layers), *range(total - last, total)) if last else None
 
-    @property
-    def drafting_layers(self) -> int:
-        return self.layers + self.last
-
     def begin(self, row: int, seq: Sequence) -> None:
         pass
 
