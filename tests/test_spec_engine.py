@@ -23,7 +23,7 @@ from specdraft.engine import Engine
 from specdraft.errors import ModelFileError, SpecdraftError
 from specdraft.metrics import SpecStats
 from specdraft.model.loader import LoadedModel, default_model_path, load
-from specdraft.policy import PROBE_GAP_MAX, CostModel, Policy, PolicyConfig, expected_tokens, progress
+from specdraft.policy import PROBE_GAP_MAX, PROBE_SETUP_SHARE, CostModel, Policy, PolicyConfig, expected_tokens, progress
 from specdraft.proposers import make_proposer
 from specdraft.proposers.base import Proposer
 from specdraft.proposers.ngram import NgramConfig, NgramIndex, NgramProposer, continuation
@@ -645,16 +645,18 @@ def test_a_proposers_setup_time_is_paid_only_where_it_is_repaid() -> None:
     _evidence(low, 0, 50, accepted=0)
     assert [low.budgets([8], 1, [64], [0.1])[0] for _ in range(4)] == [0, 0, 0, config.probe_k]  # cheap probe
     low.observe(0, Draft.chain(range(config.probe_k)), Acceptance((), (1,)))
-    # a setup over 5% of the plain decoding left (64 s here) is not paid for a probe ...
-    assert [low.budgets([8], 1, [64], [3.5])[0] for _ in range(40)] == [0] * 40
-    # ... under it, it is: a long generation may find out whether drafting pays again
-    assert config.probe_k in [low.budgets([8], 1, [1000], [3.5])[0] for _ in range(40)]
-    # rows catch up together: their setups add up (two rows of 2 s: 4 s, over 5% of 64 s)
+    # the next probe is 8 steps away: a setup over PROBE_SETUP_SHARE of 8 plain steps is not paid
+    assert 1.0 > PROBE_SETUP_SHARE * 2 * config.probe_every
+    assert [low.budgets([8], 1, [64], [1.0])[0] for _ in range(40)] == [0] * 40
+    low.probe_gap = PROBE_GAP_MAX  # after many misses: 64 steps between probes, 1.28 s of allowance
+    assert config.probe_k in [low.budgets([8], 1, [64], [1.0])[0] for _ in range(PROBE_GAP_MAX + 1)]
+    # rows catch up together: their setups add up (two rows of 0.7 s: 1.4 s, over the allowance)
     two = Policy(config, cost_table(2, per_token=0.1))
     for row in (0, 1):
         two.begin(row)
         _evidence(two, row, 50, accepted=0)
-    assert [two.budgets([8, 8], 2, [64, 64], [2.0, 2.0]) for _ in range(40)] == [[0, 0]] * 40
+    two.probe_gap = PROBE_GAP_MAX
+    assert [two.budgets([8, 8], 2, [64, 64], [0.7, 0.7]) for _ in range(2 * PROBE_GAP_MAX)] == [[0, 0]] * 2 * PROBE_GAP_MAX
 
 
 def test_fixed_policy_returns_k_capped() -> None:

@@ -31,8 +31,8 @@ A proposer may first have to catch up on a request's context before it can draft
 model's own prefill of a long prompt): the caller passes that *setup* time per row. The policy
 pays it only where the speculation it buys is expected to repay it over the rest of the
 request (the time to the end with setup and drafts against plain decoding's). A probe may pay
-a setup only if it is small next to the plain decoding still ahead (``PROBE_SETUP_SHARE``), so
-that a long generation can find out whether drafting pays again after an idle stretch.
+a setup only if it is small next to the plain steps since the last probe
+(``PROBE_SETUP_SHARE``), so that an idle proposer can still come back in a long generation.
 
 A proposer whose drafting costs at most ``look_cost`` of a plain target step (measured: the
 lookup methods) is not gated before it runs: it drafts the full k, and the gate, probes
@@ -246,7 +246,7 @@ class _Evidence:
 
 PROBE_GAP_MAX = 64  # the longest wait between probes (steps), after probes that found nothing
 HORIZON_TOKENS = 64  # tokens a row is assumed to have left when the caller does not say
-PROBE_SETUP_SHARE = 0.05  # a probe may pay a setup of up to this share of plain decoding's time left
+PROBE_SETUP_SHARE = 0.02  # probes' setups may cost up to this share of the time between probes
 LABEL_DECAY = 0.98  # per-label evidence is pooled over many requests: it may remember longer
 
 
@@ -324,13 +324,8 @@ class Policy:
         best = self.best_length(caps, batch, self._remaining(remaining))
         if best > 0 and paying > 0 and not self._repays(best, paying, caps, batch, remaining):
             best = 0
-        best = self._gate(best, batch, paying, self._horizon(caps, remaining))
+        best = self._gate(best, batch, paying)
         return [min(best, c) for c in caps]
-
-    def _horizon(self, caps: Seq[int], remaining: Seq[int] | None) -> int:
-        """Tokens the longest live row has left (``HORIZON_TOKENS`` when not known)."""
-        live = [row for row, c in enumerate(caps) if c > 0]
-        return max((remaining[row] if remaining is not None else HORIZON_TOKENS for row in live), default=0)
 
     def _repays(self, k: int, setup: float, caps: Seq[int], batch: int, remaining: Seq[int] | None) -> bool:
         """Whether drafting k tokens per step for the rest of the batch, after ``setup``
@@ -351,15 +346,15 @@ class Policy:
             self.probe_gap = self.config.probe_every if paid else min(2 * self.probe_gap, PROBE_GAP_MAX)
             self.probing = self.probe_paid = False
 
-    def _gate(self, best: int, batch: int, setup: float = 0.0, horizon: int = HORIZON_TOKENS) -> int:
+    def _gate(self, best: int, batch: int, setup: float = 0.0) -> int:
         """``best`` (the chosen draft length) or, after ``probe_gap`` idle steps in a row, a
         cheap probe of ``probe_k`` tokens (then ``probing`` is set); ``setup``: seconds the
-        proposer would spend first, ``horizon``: tokens left (see ``_cheap_probe``)."""
+        proposer would spend first (see ``_cheap_probe``)."""
         if best > 0:
             self.idle_steps = 0
             return best
         self.idle_steps += 1
-        if self.idle_steps >= self.probe_gap and self._cheap_probe(batch, setup, horizon):
+        if self.idle_steps >= self.probe_gap and self._cheap_probe(batch, setup):
             self.idle_steps = 0
             self.probing = True  # this step's drafts are for evidence: trim() keeps them
             return self.config.probe_k
@@ -377,18 +372,20 @@ class Policy:
         """The remaining counts the objective uses (none for throughput)."""
         return remaining if self.config.objective == "batch-end" else None
 
-    def _cheap_probe(self, batch: int, setup: float = 0.0, horizon: int = HORIZON_TOKENS) -> bool:
+    def _cheap_probe(self, batch: int, setup: float = 0.0) -> bool:
         """A probe's forward may cost at most ``probe_cost`` plain steps. A proposer's setup
-        must fit in what is left of that allowance, or in ``PROBE_SETUP_SHARE`` of plain
-        decoding's time for the ``horizon`` tokens left: a long generation may pay a short
-        catch-up to find out whether drafting pays again, a short one never pays a prefill."""
+        must fit in what is left of that allowance, or in ``PROBE_SETUP_SHARE`` of the plain
+        steps since the last probe (``probe_gap``): probing then costs at most that share of
+        the time however it goes, and an idle draft model can still catch up now and then to
+        find out whether drafting pays again, while a prompt's whole prefill is not paid for a
+        probe."""
         assert self.cost is not None
         q_max = 1 + self.config.k
         plain = self.cost.latency(batch, 1, q_max)
         probe = self.cost.latency(batch, 1 + self.config.probe_k, q_max)
         if probe > self.config.probe_cost * plain:
             return False
-        return setup <= max(self.config.probe_cost * plain - probe, PROBE_SETUP_SHARE * horizon * plain)
+        return setup <= max(self.config.probe_cost * plain - probe, PROBE_SETUP_SHARE * self.probe_gap * plain)
 
     def best_length(self, caps: Seq[int], batch: int, remaining: Seq[int] | None = None) -> int:
         """The K in 0..k with the most progress per second (see the module doc). A row with
