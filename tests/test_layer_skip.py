@@ -16,13 +16,14 @@ from specdraft.bench.layer_sweep import add_estimates
 from specdraft.engine import Engine
 from specdraft.errors import SpecdraftError
 from specdraft.metrics import SpecStats
+from specdraft.model.kv_cache import KVCache
 from specdraft.model.loader import LoadedModel, load
 from specdraft.model.transformer import Transformer
 from specdraft.proposers import make_proposer
 from specdraft.proposers.base import ProposerContext
 from specdraft.proposers.layer_skip import LayerSkipConfig, LayerSkipProposer
 from specdraft.sampling import Sampling
-from specdraft.sequence import GenerationConfig
+from specdraft.sequence import GenerationConfig, Sequence
 from test_accept import _engine_lossless_check, sampled_setup  # noqa: F401  (a fixture)
 from test_draft_model import Setup, engine
 from tiny_models import write_hf_model
@@ -89,15 +90,21 @@ def early_exit_greedy(model: Transformer, tokens: list[int], layers: int, n: int
     return drafted
 
 
-@pytest.mark.parametrize("layers", [1, LAYERS - 1])
-def test_drafts_are_the_early_exit_greedy_tokens_and_the_cache_is_untouched(setup: Setup, layers: int) -> None:
-    target = setup.target
-    eng = Engine(target.model, target.tokenizer)
+def prefilled(setup: Setup) -> tuple[list[Sequence], KVCache]:
+    """The setup's prompts prefilled by the engine, each with its first token appended."""
+    eng = Engine(setup.target.model, setup.target.tokenizer)
     seqs, cache = eng.start(setup.prompts, GEN, [Sampling()] * len(setup.prompts))
     with torch.inference_mode():
         first = eng.first_tokens(eng.prefill(seqs, cache), seqs)
     for s, tok in zip(seqs, first):
         s.append([tok])
+    return seqs, cache
+
+
+@pytest.mark.parametrize("layers", [1, LAYERS - 1])
+def test_drafts_are_the_early_exit_greedy_tokens_and_the_cache_is_untouched(setup: Setup, layers: int) -> None:
+    target = setup.target
+    seqs, cache = prefilled(setup)
     k_before, v_before, lengths = cache.k.clone(), cache.v.clone(), list(cache.lengths)
     budgets = [4, 0, 3, 4]
     drafts = LayerSkipProposer(target.model, layers).propose(seqs, budgets, cache)
@@ -112,12 +119,7 @@ def test_drafts_are_the_early_exit_greedy_tokens_and_the_cache_is_untouched(setu
 
 def test_a_middle_skip_drafts_on_the_targets_own_prefix_and_leaves_the_cache_as_found(setup: Setup) -> None:
     target = setup.target
-    eng = Engine(target.model, target.tokenizer)
-    seqs, cache = eng.start(setup.prompts, GEN, [Sampling()] * len(setup.prompts))
-    with torch.inference_mode():
-        first = eng.first_tokens(eng.prefill(seqs, cache), seqs)
-    for s, tok in zip(seqs, first):
-        s.append([tok])
+    seqs, cache = prefilled(setup)
     k_before, lengths = cache.k.clone(), list(cache.lengths)
     proposer = LayerSkipProposer(target.model, 1, last=2)
     drafts = proposer.propose(seqs, [3] * len(seqs), cache)

@@ -17,7 +17,7 @@ a perfect choice. The copy ceiling also counts spans that no suffix of the conte
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 def _encode(tokens: Sequence[int]) -> bytes:
@@ -92,15 +92,20 @@ def lookup_oracle_spans(prompt: Sequence[int], output: Sequence[int], k: int) ->
     return spans
 
 
-def copy_ceiling_tau(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], k: int) -> float:
-    """Emitted tokens per target pass of the oracle over (prompt, output) pairs."""
-    emitted = sum(max(len(o) - 1, 0) for _, o in pairs)
-    steps = sum(copy_ceiling_steps(p, o, k) for p, o in pairs)
-    return emitted / steps if steps else 1.0
+Pairs = Sequence[tuple[Sequence[int], Sequence[int]]]
 
 
-def lookup_ceiling_tau(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], k: int) -> float:
+def copy_ceiling_tau(pairs: Pairs, k: int) -> float:
+    """Emitted tokens per target pass of the copy oracle over (prompt, output) pairs."""
+    return _tau(pairs, k, copy_ceiling_steps)
+
+
+def lookup_ceiling_tau(pairs: Pairs, k: int) -> float:
     """Emitted tokens per target pass of the lookup oracle over (prompt, output) pairs."""
+    return _tau(pairs, k, lookup_ceiling_steps)
+
+
+def _tau(pairs: Pairs, k: int, steps_of: Callable[[Sequence[int], Sequence[int], int], int]) -> float:
     emitted = sum(max(len(o) - 1, 0) for _, o in pairs)
-    steps = sum(lookup_ceiling_steps(p, o, k) for p, o in pairs)
+    steps = sum(steps_of(p, o, k) for p, o in pairs)
     return emitted / steps if steps else 1.0

@@ -38,12 +38,11 @@ from specdraft.sequence import Sequence
 
 @dataclass(frozen=True, slots=True)
 class Drafter:
-    """A model and the cache it drafts on; ``num_layers`` / ``layers`` None = the whole model
-    (see ``Transformer.forward``)."""
+    """A model and the cache it drafts on; ``layers``: the layers it runs (None = all; see
+    ``Transformer.forward``)."""
 
     model: Transformer
     cache: KVCache
-    num_layers: int | None = None
     layers: tuple[int, ...] | None = None
 
     def step(self, tokens: list[int]) -> Tensor:
@@ -51,7 +50,7 @@ class Drafter:
         device = self.model.device
         fed = torch.tensor(tokens, dtype=torch.long, device=device)[:, None]  # [B, 1]
         positions = self.cache.lengths_tensor()[:, None]  # [B, 1]
-        out = self.model(fed, positions, self.cache, num_layers=self.num_layers, layers=self.layers)
+        out = self.model(fed, positions, self.cache, layers=self.layers)
         return out.logits[:, -1]  # [B, V]
 
 

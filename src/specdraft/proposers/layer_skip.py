@@ -67,10 +67,8 @@ class LayerSkipProposer:
                                  f"(at least one layer skipped), got {layers} + {last}")
         self.target = target
         self.layers = layers
-        self.last = last
         self.branches = branches
-        # the layers that draft: the first `layers`, then the last `last` (None: early exit)
-        self.layer_ids = (*range(layers), *range(total - last, total)) if last else None
+        self.layer_ids = (*range(layers), *range(total - last, total))  # the layers that draft
 
     def begin(self, row: int, seq: Sequence) -> None:
         pass
@@ -83,7 +81,7 @@ class LayerSkipProposer:
         if not any(s is not None and b > 0 for s, b in zip(seqs, budgets)):
             return [Draft.empty() for _ in seqs]
         committed = list(cache.lengths)
-        drafter = Drafter(self.target, cache, None if self.last else self.layers, self.layer_ids)
+        drafter = Drafter(self.target, cache, layers=self.layer_ids)
         try:
             root_logits = drafter.step([s.tokens[-1] if s is not None else 0 for s in seqs])  # [B, V]
             vocab = self.target.config.vocab_size
