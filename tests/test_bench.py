@@ -22,21 +22,12 @@ from specdraft.bench.report import write_report
 from specdraft.cli import main
 from specdraft.errors import SpecdraftError
 from specdraft.sequence import GenerationConfig
-from specdraft.workloads import (WORKLOADS, Prompt, datasets_dir, fit_messages, load_workload, read_jsonl,
+from specdraft.workloads import (WORKLOADS, Prompt, data_file, datasets_dir, fit_messages, load_workload, read_jsonl,
                                  workload_label)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _datasets() -> Path | None:
-    try:
-        return datasets_dir()
-    except SpecdraftError:
-        return None
-
-
-DATASETS = _datasets()
-needs_datasets = pytest.mark.skipif(DATASETS is None, reason="shared/datasets not found (set SPECDRAFT_DATASETS)")
 
 
 def write_jsonl(path: Path, records: list[object]) -> Path:
@@ -60,7 +51,7 @@ def loaded(tiny_gguf):
 
 # ============================================================================ 1. built-in workloads
 
-# workload -> (prompts in the shared datasets, user turns per prompt); counts from datasets/README.md
+# workload -> (prompts in the shipped evaluation sets, user turns per prompt); counts from specdraft/data/README.md
 EXPECTED = {
     "summarization": (60, 1), "rag": (60, 1), "translation": (60, 1), "qa": (60, 1), "math": (60, 1),
     "chat": (8 + 7 + 7 + 7 + 8 + 8, 2),  # MT-bench reasoning, math, coding, extraction, stem, humanities
@@ -77,7 +68,6 @@ def test_expected_table_covers_every_builtin_workload():
         assert spec.description
 
 
-@needs_datasets
 @pytest.mark.parametrize("name", list(EXPECTED))
 def test_builtin_workload_loads(name):
     prompts = load_workload(name)
@@ -90,7 +80,6 @@ def test_builtin_workload_loads(name):
     assert load_workload(name, limit=3) == prompts[:3]
 
 
-@needs_datasets
 def test_mixed_workload_takes_every_short_workload_in_turn():
     short = [w for w in WORKLOADS if w != "long_summarization"]
     prompts = load_workload("mixed", 2 * len(short) + 1)
@@ -108,10 +97,9 @@ def test_workload_labels(tmp_path):
     assert workload_label(str(path)) == "a=b"  # an existing file is a bare path, "=" and all
 
 
-@needs_datasets
 def test_builtin_prompts_contain_their_source_content():
-    root = DATASETS
-    spec = {r["question_id"]: r for r in read_jsonl(root / "spec_bench" / "question.jsonl")}
+    root = datasets_dir()
+    spec = {r["question_id"]: r for r in read_jsonl(data_file(root / "spec_bench", "question.jsonl"))}
     for p in load_workload("summarization"):
         rec = spec[int(p.id.split("/")[1])]
         assert rec["category"] == "summarization" and p.turns == tuple(rec["turns"])
@@ -119,19 +107,19 @@ def test_builtin_prompts_contain_their_source_content():
         article = spec[int(p.id.split("/")[1])]["turns"][0].removeprefix("Summarize:").strip()
         assert p.turns[0].startswith("Repeat the following text exactly")
         assert article[:200] in p.turns[0]
-    mt = {r["question_id"]: r for r in read_jsonl(root / "mt_bench" / "question.jsonl")}
+    mt = {r["question_id"]: r for r in read_jsonl(data_file(root / "mt_bench", "question.jsonl"))}
     for name, cats in (("chat", {"reasoning", "math", "coding", "extraction", "stem", "humanities"}),
                        ("creative", {"writing", "roleplay"})):
         for p in load_workload(name):
             rec = mt[int(p.id.split("/")[1])]
             assert rec["category"] in cats and p.turns == tuple(rec["turns"])
-    humaneval = {r["task_id"]: r for r in read_jsonl(root / "humaneval" / "HumanEval.jsonl")}
+    humaneval = {r["task_id"]: r for r in read_jsonl(data_file(root / "humaneval", "HumanEval.jsonl"))}
     for p in load_workload("code"):
         assert humaneval[p.id]["prompt"] in p.turns[0]
-    edit = {r["task_id"]: r for r in read_jsonl(root / "edit_eval" / "edit_eval.jsonl")}
+    edit = {r["task_id"]: r for r in read_jsonl(data_file(root / "edit_eval", "edit_eval.jsonl"))}
     for p in load_workload("editing"):
         assert edit[p.id]["instruction"].strip() in p.turns[0] and edit[p.id]["input"] in p.turns[0]
-    meetings = read_jsonl(root / "qmsum" / "test.jsonl")
+    meetings = read_jsonl(data_file(root / "qmsum", "test.jsonl"))
     for p in load_workload("long_summarization"):
         rec = meetings[int(p.id.split("/")[1])]
         first, last = rec["meeting_transcripts"][0], rec["meeting_transcripts"][-1]
@@ -152,7 +140,6 @@ def test_fit_messages_formats_with_the_chat_template(loaded):
     assert text.rstrip().endswith("<|im_start|>assistant")
 
 
-@needs_datasets
 def test_fit_messages_cuts_a_long_prompt_with_a_warning(loaded):
     tok = loaded.tokenizer
     prompt = load_workload("long_summarization", limit=1)[0]
@@ -282,8 +269,6 @@ def test_repeats_run_in_rotated_rounds():
 
 @pytest.fixture(scope="module")
 def sweep(tiny_gguf, mine_jsonl, tmp_path_factory):
-    if DATASETS is None:
-        pytest.skip("shared/datasets not found")
     out = tmp_path_factory.mktemp("sweep")
     cfg = BenchConfig(methods=(MethodSpec.parse("ngram"), MethodSpec.parse("ngram:k=4,policy=fixed")),
                       workloads=("repeat", f"mine={mine_jsonl}"), batch_sizes=(1, 2), max_new_tokens=8, samples=2,
@@ -543,7 +528,6 @@ def test_bad_peer_settings():
 # ============================================================================ 6. the bench command
 
 
-@needs_datasets
 def test_bench_command_writes_results_and_report(tiny_gguf, mine_jsonl, tmp_path, capsys):
     out = tmp_path / "cli"
     code = main(["bench", "--model", str(tiny_gguf), "--methods", "ngram:k=4+policy=fixed",

@@ -231,7 +231,9 @@ class Engine:
             last[row] = acc.tokens[-1]
             results.append(acc)
             yield from _events(row, s)
-        commit(cache, before, drafts, results)
+        # a row that finished in this step is emptied now, not at the next commit: the next
+        # forward appends 1 + width positions to every row, which a full row has no room for
+        commit(cache, before, drafts, [None if s.finished else r for s, r in zip(seqs, results)])
         t3 = time.perf_counter()
         stats.propose_s += t1 - tp
         stats.verify_s += t2 - t1
@@ -296,8 +298,8 @@ def commit(cache: KVCache, before: list[int], drafts: list[Draft], results: list
     any accepted path that is a prefix of the appended block) are a length change; other
     tree paths are compacted with one gather."""
     keeps = [[0] + [1 + i for i in acc.path] if acc is not None else [] for acc in results]
-    # a finished row (no acceptance) is emptied: nobody reads it again, and an empty row
-    # costs nothing in attention and leaves the cache's room to the rows still running
+    # a finished row (None) is emptied: nobody reads it again, and an empty row costs
+    # nothing in attention and leaves the cache's room to the rows still running
     start = [b if acc is not None else 0 for b, acc in zip(before, results)]
     if all(k == list(range(len(k))) for k in keeps):
         cache.truncate([b + len(k) for b, k in zip(start, keeps)])

@@ -152,12 +152,18 @@ def _interpolate(points: dict[int, float], q: int) -> float:
 
 @torch.inference_mode()
 def measure_latency(model: Transformer, batch: int, qs: Seq[int], prefix: int = 128, repeats: int = 3) -> dict[int, float]:
-    """Median seconds of a forward over q new tokens per row after ``prefix`` cached tokens."""
+    """Median seconds of a forward over q new tokens per row after ``prefix`` cached tokens.
+    Measured within the model's context: the prefix shrinks (and the widest q is capped) so
+    that prefix + q never passes it."""
     device = model.device
+    limit = model.config.max_context
+    qs = sorted({min(q, limit) for q in qs})
+    prefix = max(0, min(prefix, limit - max(qs)))
     cache = model.new_cache(batch, prefix + max(qs))
     vocab = model.config.vocab_size
-    model(torch.randint(0, vocab, (batch, prefix), device=device),
-          torch.arange(prefix, device=device).expand(batch, prefix), cache, logits=False)
+    if prefix:
+        model(torch.randint(0, vocab, (batch, prefix), device=device),
+              torch.arange(prefix, device=device).expand(batch, prefix), cache, logits=False)
     out: dict[int, float] = {}
     for q in qs:
         tokens = torch.randint(0, vocab, (batch, q), device=device)

@@ -1,8 +1,9 @@
-"""Workloads: prompt sets by type, from the shared datasets or a user's own JSONL.
+"""Workloads: prompt sets by type, from the evaluation sets shipped with the package or a
+user's own JSONL.
 
 Every prompt is a conversation of one or more user turns, run turn by turn with the model's
 chat template (as Spec-Bench does). Built-in workloads (see ``WORKLOADS``) read the public
-sets in ``shared/datasets`` (found next to the repository, or at $SPECDRAFT_DATASETS).
+sets in ``specdraft/data`` (sources and licences in its README), or in $SPECDRAFT_DATASETS.
 
 A user's JSONL has one object per line with ``turns`` (a list of user messages) or
 ``prompt`` / ``text`` / ``question`` / ``instruction`` (+ optional ``input``); an optional
@@ -11,11 +12,13 @@ A user's JSONL has one object per line with ``turns`` (a list of user messages) 
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -37,41 +40,58 @@ class WorkloadSpec:
 
 
 def datasets_dir() -> Path:
-    """shared/datasets: $SPECDRAFT_DATASETS, else next to (or inside) the repository or cwd."""
+    """The folder of the evaluation sets: $SPECDRAFT_DATASETS if set, else the copies shipped
+    inside the package (``specdraft/data``, see its README for sources and licences)."""
     env = os.environ.get("SPECDRAFT_DATASETS")
     if env:
-        return Path(env)
-    here = Path(__file__).resolve()
-    for base in [*here.parents, *Path.cwd().resolve().parents, Path.cwd().resolve()]:
-        for candidate in (base / "shared" / "datasets", base.parent / "shared" / "datasets"):
-            if (candidate / "README.md").is_file():
-                return candidate
-    raise SpecdraftError(
-        "cannot find the benchmark datasets (shared/datasets); set SPECDRAFT_DATASETS=/path/to/datasets "
-        "or give your own JSONL file"
-    )
+        path = Path(env).expanduser()
+        if not path.is_dir():
+            raise SpecdraftError(f"SPECDRAFT_DATASETS={env} is not a folder")
+        return path
+    shipped = resources.files("specdraft") / "data"
+    if not shipped.is_dir():
+        raise SpecdraftError("the evaluation sets are missing from this specdraft install (specdraft/data); "
+                             "reinstall specdraft or set SPECDRAFT_DATASETS=/path/to/datasets")
+    return Path(str(shipped))
+
+
+def data_file(root: Path, name: str) -> Path:
+    """``root/name``, or its gzipped copy ``root/name.gz`` (the package ships large sets gzipped)."""
+    path = root / name
+    gz = path.with_name(path.name + ".gz")
+    return gz if not path.is_file() and gz.is_file() else path
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file (gzipped when its name ends in .gz)."""
     if not path.is_file():
         raise SpecdraftError(f"prompt file not found: {path}")
     records = []
-    with path.open("rb") as f:
-        for n, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise SpecdraftError(f"{path}:{n}: not UTF-8 text") from None
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SpecdraftError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-            records.append(rec)
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                rec = _record(raw, path, n)
+                if rec is not None:
+                    records.append(rec)
+    except (OSError, EOFError) as e:  # a corrupt or truncated gzip file
+        raise SpecdraftError(f"{path}: cannot read ({e})") from None
     if not records:
         raise SpecdraftError(f"{path} has no records")
     return records
+
+
+def _record(raw: bytes, path: Path, n: int) -> Any:
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SpecdraftError(f"{path}:{n}: not UTF-8 text") from None
+    if not line.strip():
+        return None
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise SpecdraftError(f"{path}:{n}: not valid JSON ({e.msg})") from None
 
 
 def _questions(source: str, categories: tuple[str, ...], workload: str) -> Callable[[Path], list[Prompt]]:
@@ -80,7 +100,7 @@ def _questions(source: str, categories: tuple[str, ...], workload: str) -> Calla
     def load(root: Path) -> list[Prompt]:
         return [
             Prompt(f"{source}/{r['question_id']}", workload, tuple(r["turns"]))
-            for r in read_jsonl(root / source / "question.jsonl")
+            for r in read_jsonl(data_file(root / source, "question.jsonl"))
             if r["category"] in categories
         ]
 
@@ -99,7 +119,7 @@ def _humaneval(root: Path) -> list[Prompt]:
     return [
         Prompt(r["task_id"], "code",
                (f"Complete the following Python function. Reply with the whole function.\n\n```python\n{r['prompt']}```",))
-        for r in read_jsonl(root / "humaneval" / "HumanEval.jsonl")
+        for r in read_jsonl(data_file(root / "humaneval", "HumanEval.jsonl"))
     ]
 
 
@@ -107,13 +127,13 @@ def _edit_eval(root: Path) -> list[Prompt]:
     return [
         Prompt(r["task_id"], "editing",
                (f"{r['instruction'].strip()}\n\n```python\n{r['input']}```\n\nReply with the whole edited code.",))
-        for r in read_jsonl(root / "edit_eval" / "edit_eval.jsonl")
+        for r in read_jsonl(data_file(root / "edit_eval", "edit_eval.jsonl"))
     ]
 
 
 def _qmsum(root: Path) -> list[Prompt]:
     prompts = []
-    for i, r in enumerate(read_jsonl(root / "qmsum" / "test.jsonl")):
+    for i, r in enumerate(read_jsonl(data_file(root / "qmsum", "test.jsonl"))):
         transcript = "\n".join(f"{t['speaker']}: {t['content']}" for t in r["meeting_transcripts"])
         query = r["general_query_list"][0]["query"] if r["general_query_list"] else "Summarize the whole meeting."
         prompts.append(Prompt(f"qmsum/{i}", "long_summarization", (f"{query}\n\nMeeting transcript:\n{transcript}",)))
@@ -124,7 +144,7 @@ def _repeat(root: Path) -> list[Prompt]:
     """A copy-heavy control set: repeat a news passage (the opening of each Spec-Bench
     summarization article, cut at a sentence end near 600 characters) word for word."""
     prompts = []
-    for r in read_jsonl(root / "spec_bench" / "question.jsonl"):
+    for r in read_jsonl(data_file(root / "spec_bench", "question.jsonl")):
         if r["category"] != "summarization":
             continue
         article = r["turns"][0].removeprefix("Summarize:").strip()
