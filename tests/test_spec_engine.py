@@ -968,3 +968,75 @@ def test_interrupted_verify_reports_the_prompts_it_finished(tiny_gguf: Path, tmp
     assert "identical: 2/2 prompts" in out and "INTERRUPTED: 2 of 5 prompts checked" in out
     saved = json.loads(out_json.read_text())
     assert saved["interrupted"] and saved["prompts"] == 2 and saved["planned_prompts"] == 5
+
+
+# =========================================================================== the context's end
+
+
+@pytest.fixture(scope="module")
+def ctx256(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """A tiny model whose context is 256 positions."""
+    return load(write_hf_model(tmp_path_factory.mktemp("ctx256") / "m", "llama", seed=0, max_position=256))
+
+
+def _every_method(loaded: LoadedModel, tmp_path: Path) -> list[tuple[str, dict[str, str]]]:
+    from specdraft.datastore import Datastore, DatastoreInfo, save, tokenizer_fingerprint
+
+    info = DatastoreInfo(fingerprint=tokenizer_fingerprint(loaded.tokenizer), tokens=0, documents=0, description="test")
+    store = save(Datastore.from_documents([loaded.tokenizer.encode(t) for t in TEXTS], info), tmp_path / "s.sdds")
+    return [("ngram", {}), ("ngram", {"branches": "2"}), ("suffix", {}), ("lookahead", {}), ("layer-skip", {"layers": "1"}),
+            ("draft", {"path": str(loaded.source)}), ("draft", {"path": str(loaded.source), "branches": "2"}),
+            ("rest", {"datastore": str(store)})]
+
+
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_a_row_that_reaches_the_context_beside_one_still_drafting(ctx256: LoadedModel, tmp_path: Path,
+                                                                  policy: str) -> None:
+    """One row fills the context and finishes while the other keeps drafting: the finished row
+    must not be handed the next verification's positions (every method used to overflow)."""
+    from specdraft.api import build_engine
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (230, 10)]
+    gen = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    ref = plain_engine(ctx256).generate(prompts, gen)
+    assert [r.finish_reason for r in ref] == ["context", "length"]
+    cost = cost_table(2) if policy == "adaptive" else None
+    for method, options in _every_method(ctx256, tmp_path):
+        got = build_engine(ctx256, method, k=8, policy=policy, options=options, cost=cost).generate(prompts, gen)
+        assert [(r.tokens, r.finish_reason) for r in got] == [(r.tokens, r.finish_reason) for r in ref], (method, options)
+
+
+def test_the_adaptive_policy_measures_costs_within_a_short_context(tmp_path: Path) -> None:
+    """A model whose context is shorter than the cost model's usual 128-token prefix + k."""
+    from specdraft.api import build_engine
+
+    short = load(write_hf_model(tmp_path / "short", "llama", seed=0, max_position=132))
+    prompt = short.tokenizer.encode(TEXTS[0])
+    gen = GenerationConfig(max_new_tokens=20, ignore_eos=True)
+    ref = plain_engine(short).generate([prompt], gen)[0].tokens
+    for method in ("ngram", "suffix"):
+        engine = build_engine(short, method, k=8, policy="adaptive")
+        assert engine.generate([prompt], gen)[0].tokens == ref
+        table = engine.policy.cost.table[1]  # measured, not given
+        assert max(table) == 9 and all(t > 0 for t in table.values())
+
+
+def test_random_batches_near_the_context_end_equal_plain(ctx256: LoadedModel, tmp_path: Path) -> None:
+    """Seeded random ragged batches whose rows reach the context at different steps, every
+    method, fixed k: the same tokens and finish reasons as plain decoding."""
+    from specdraft.api import build_engine
+
+    rng = torch.Generator().manual_seed(7)
+    methods = _every_method(ctx256, tmp_path)
+    for case in range(24):
+        sizes = torch.randint(200, 254, (int(torch.randint(2, 4, (), generator=rng)),), generator=rng).tolist()
+        sizes[-1] = int(torch.randint(3, 40, (), generator=rng))  # one short row keeps drafting
+        prompts = [torch.randint(3, 300, (n,), generator=rng).tolist() for n in sizes]
+        gen = GenerationConfig(max_new_tokens=int(torch.randint(3, 60, (), generator=rng)), ignore_eos=True)
+        k = int(torch.randint(1, 9, (), generator=rng))
+        method, options = methods[case % len(methods)]
+        ref = plain_engine(ctx256).generate(prompts, gen)
+        got = build_engine(ctx256, method, k=k, policy="fixed", options=options).generate(prompts, gen)
+        assert [(r.tokens, r.finish_reason) for r in got] == [(r.tokens, r.finish_reason) for r in ref], \
+            (case, method, options, sizes, gen.max_new_tokens, k)
