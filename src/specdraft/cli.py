@@ -212,12 +212,11 @@ def cmd_datastore_info(args: argparse.Namespace) -> int:
 
 
 def _set_threads(n: int | None) -> None:
-    import torch
+    from specdraft.model.loader import set_threads
 
-    if n is not None:
-        if n < 1:
-            raise SpecdraftError(f"--threads must be >= 1, got {n}")
-        torch.set_num_threads(n)
+    if n is not None and n < 1:
+        raise SpecdraftError(f"--threads must be >= 1, got {n}")
+    set_threads(n)
 
 
 def _workload_names() -> list[str]:

@@ -48,6 +48,15 @@ def default_model_path() -> Path:
     )
 
 
+def set_threads(threads: int | None) -> None:
+    """Set torch's CPU threads (None: leave torch's choice)."""
+    if threads is None:
+        return
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise SpecdraftError(f"threads must be an integer >= 1, got {threads!r}")
+    torch.set_num_threads(threads)
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
