@@ -17,6 +17,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -478,21 +479,39 @@ def _next_probs(model: torch.nn.Module, prefixes: list[list[int]], sampling: Sam
     return probabilities(out.logits[:, -1], sampling).double()
 
 
-@pytest.fixture(scope="module")
-def sampled_setup(tiny_hf):
+def _sampled(tiny_hf, siblings: bool):
+    """(model, tokenizer, prompt, p1, p2, pairs, p3) for ``_engine_lossless_check``. With
+    ``siblings``, after each likely first token c the prompt also shows c followed by its second
+    and third most likely next tokens (each with the model's own continuation): a tree proposer
+    then offers several siblings there, and the first is rejected often enough for later
+    siblings to be accepted often (the case that tests the residual between siblings)."""
     tiny = load(tiny_hf)
     model = _peaked_loopy_model(tiny)
     plain = Engine(model, tiny.tokenizer)
     base = tiny.tokenizer.encode("a b a b")
     likely = _next_probs(model, [base], T1)[0].topk(4).indices.tolist()
-    runs = plain.generate([base + [c] for c in likely], GenerationConfig(max_new_tokens=6, ignore_eos=True))
-    prompt = [t for c, r in zip(reversed(likely), reversed(runs)) for t in [c, *r.tokens]] + base
+    starts = [[c] for c in likely]
+    if siblings:
+        after = _next_probs(model, [base + [c] for c in likely], T1)  # [4, V]
+        starts += [[c, int(x)] for c, row in zip(likely, after) for x in row.topk(3).indices[1:]]
+    runs = plain.generate([base + s for s in starts], GenerationConfig(max_new_tokens=6, ignore_eos=True))
+    prompt = [t for st, r in zip(reversed(starts), reversed(runs)) for t in [*st, *r.tokens]] + base
     p1 = _next_probs(model, [prompt], T1)[0]  # [V]
     vocab = p1.shape[0]
     p2 = _next_probs(model, [prompt + [x] for x in range(vocab)], T1)  # [V, V]
     pairs = [(a, b) for a in range(vocab) for b in range(vocab) if p1[a] * p2[a, b] > 0.004]
     p3 = _next_probs(model, [prompt + [a, b] for a, b in pairs], T1)  # [pairs, V]
     return model, tiny.tokenizer, prompt, p1, p2, pairs, p3
+
+
+@pytest.fixture(scope="module")
+def sampled_setup(tiny_hf):
+    return _sampled(tiny_hf, siblings=False)
+
+
+@pytest.fixture(scope="module")
+def sibling_setup(tiny_hf):
+    return _sampled(tiny_hf, siblings=True)
 
 
 class SiblingsProposer:
@@ -543,9 +562,12 @@ def _engine_lossless_check(
         drafts = NgramProposer(NgramConfig(min_n=1, max_n=3)) if proposer == "ngram" else SiblingsProposer(len(prompt), p2)
     engine = Engine(model, tokenizer, drafts, Policy(PolicyConfig(kind="fixed", k=k)))
     stats = SpecStats()
-    rows = engine.generate([prompt] * ENGINE_ROWS, GenerationConfig(max_new_tokens=3, ignore_eos=True),
-                           [Sampling(temperature=1.0, seed=i) for i in range(ENGINE_ROWS)], stats=stats)
-    assert all(len(r.tokens) == 3 for r in rows)
+    # 3 + k tokens, so that the first speculative step may draft all k (a row drafts at most
+    # what it may still emit); the first three tokens are compared
+    out = engine.generate([prompt] * ENGINE_ROWS, GenerationConfig(max_new_tokens=3 + k, ignore_eos=True),
+                          [Sampling(temperature=1.0, seed=i) for i in range(ENGINE_ROWS)], stats=stats)
+    assert all(len(r.tokens) == 3 + k for r in out)
+    rows = [SimpleNamespace(tokens=r.tokens[:3]) for r in out]
     n = ENGINE_ROWS
     first = chi_square_gof(Counter(r.tokens[0] for r in rows), {a: float(p1[a]) for a in range(vocab)}, n, 10)
     joint_probs = {(a, b): float(p1[a] * p2[a, b]) for a in range(vocab) for b in range(vocab)}
@@ -574,3 +596,65 @@ def test_engine_check_rejects_a_wrong_sampler(sampled_setup, proposer: str, monk
     first, joint, triple, _ = _engine_lossless_check(sampled_setup, proposer)
     assert not first.rejects  # the first token comes from the prefill, untouched by the bug
     assert joint.rejects and triple.rejects, (joint, triple)
+
+
+# =========================================================================== siblings through the engine
+
+
+def _no_residual_between_siblings(draft: Draft, logits: torch.Tensor, sampling: Sampling,
+                                  generator: torch.Generator | None) -> Acceptance:
+    """A subtle bug: every sibling is judged against the node's own p_target instead of the
+    residual left by the siblings rejected before it (only the bonus token uses the residual).
+    Chains are unaffected; only trees whose later siblings are accepted show it."""
+    kids, path, node = draft.children(), [], -1
+    while True:
+        p_target = probabilities(logits[node + 1], sampling)  # [V]
+        left, chosen = p_target, None
+        for child in kids[node + 1]:
+            token = draft.tokens[child]
+            p_draft = accept_module._draft_distribution(draft, child, p_target)
+            if float(torch.rand((), generator=generator)) < p_target[token] / p_draft[token].clamp_min(1e-20):
+                chosen = child
+                break
+            left = residual(left, p_draft)
+        if chosen is None:
+            bonus = int(torch.multinomial(left[None], 1, generator=generator)[0, 0])
+            return Acceptance(tuple(path), tuple([draft.tokens[i] for i in path] + [bonus]))
+        path.append(chosen)
+        node = chosen
+
+
+def check_siblings_lossless(setup, make: "Callable[[Transformer, Tokenizer], Proposer]", k: int,
+                            monkeypatch: pytest.MonkeyPatch) -> int:
+    """Every tree-drafting method's sibling test: through the engine, on ``sibling_setup``,
+    the sampler passes; a later sibling is accepted in at least 5% of the rows; and the same
+    check rejects a sampler that skips the residual between siblings. Returns how many rows
+    accepted a later sibling."""
+    later = 0
+    real = accept_module.accept_sampled
+
+    def counting(draft, logits, sampling, generator):
+        nonlocal later
+        acc = real(draft, logits, sampling, generator)
+        kids = draft.children()
+        later += any(kids[(draft.parents[i] + 1)][0] != i for i in acc.path)
+        return acc
+
+    with monkeypatch.context() as m:
+        m.setattr(accept_module, "accept_sampled", counting)
+        first, joint, triple, _ = _engine_lossless_check(setup, proposer=make, k=k)
+    assert not first.rejects and not joint.rejects and not triple.rejects, (first, joint, triple)
+    assert later > 0.05 * ENGINE_ROWS, f"later siblings accepted in only {later} rows"
+    with monkeypatch.context() as m:
+        m.setattr(accept_module, "accept_sampled", _no_residual_between_siblings)
+        _, joint, triple, _ = _engine_lossless_check(setup, proposer=make, k=k)
+    assert joint.rejects or triple.rejects, (joint, triple)
+    return later
+
+
+def test_siblings_through_the_engine(sibling_setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check itself: ngram with three branches, and the hand-made siblings proposer."""
+    check_siblings_lossless(sibling_setup, lambda _m, _t: NgramProposer(NgramConfig(min_n=1, max_n=3, branches=3)),
+                            4, monkeypatch)
+    _, _, prompt, _, p2, _, _ = sibling_setup
+    check_siblings_lossless(sibling_setup, lambda _m, _t: SiblingsProposer(len(prompt), p2), 4, monkeypatch)

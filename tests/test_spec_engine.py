@@ -96,11 +96,12 @@ def cost_table(batch: int, per_token: float = 0.001, k: int = 8) -> CostModel:
     return CostModel(table={batch: {q: 1.0 + per_token * (q - 1) for q in range(1, k + 2)}})
 
 
-def spec_engine(loaded: LoadedModel, proposer: Proposer, k: int, policy: str = "fixed", batch: int = 1) -> Engine:
+def spec_engine(loaded: LoadedModel, proposer: Proposer, k: int, policy: str = "fixed", batch: int = 1,
+                stop_after: int = PolicyConfig.stop_after) -> Engine:
     cost = cost_table(batch, k=k) if policy == "adaptive" else None
     # throughput: keep drafting for the rows that can while others cannot, so that the ragged
     # batches of the equivalence tests accept enough to mean something
-    config = PolicyConfig(kind=policy, k=k, objective="throughput")
+    config = PolicyConfig(kind=policy, k=k, objective="throughput", stop_after=stop_after)
     return Engine(loaded.model, loaded.tokenizer, proposer, Policy(config, cost))
 
 
@@ -555,7 +556,7 @@ def test_a_cheap_proposer_drafts_first_and_is_gated_on_its_drafts() -> None:
     gate then acts on the drafts in trim(): a row with a poor record gets its draft cut to
     nothing, and after probe_every such steps one probe of probe_k is kept. A proposer whose
     drafting costs a noticeable share of a target step is gated before it runs."""
-    config = PolicyConfig(kind="adaptive", k=8, probe_every=3)
+    config = PolicyConfig(kind="adaptive", k=8, probe_every=3, stop_after=10**6)  # (the row's brake: below)
     policy = Policy(config, cost_table(1, per_token=0.1))  # a probe is cheap
     policy.begin(0)
     _evidence(policy, 0, 30, accepted=0)
@@ -584,6 +585,44 @@ def test_a_cheap_proposer_drafts_first_and_is_gated_on_its_drafts() -> None:
         PolicyConfig(look_cost=2.0)
 
 
+def test_a_request_whose_drafts_keep_failing_stops_drafting_whatever_the_labels_say() -> None:
+    """A row whose last stop_after drafts all failed drafts nothing for probe_every steps,
+    even when its drafts' label (pooled over earlier requests) says they pay; a failed retry
+    doubles the wait, a draft that pays releases the row at once. Other rows go on."""
+    config = PolicyConfig(kind="adaptive", k=8, probe_every=4, stop_after=3)  # (default 4)
+    policy = Policy(config, cost_table(2, per_token=0.01))
+    good = Draft.chain(range(8), label="long-match")
+    for row in (0, 1):
+        policy.begin(row)
+    for _ in range(20):  # earlier requests: this label was nearly always accepted
+        policy.observe(1, good, Acceptance(tuple(range(8)), tuple(range(9))))
+    assert policy.label_alpha("long-match") > 0.9
+    missed, paid = Acceptance((), (1,)), Acceptance((0,), (0, 1))
+
+    def step(outcome: Acceptance | None) -> int:
+        policy.budgets([8, 8], 2)
+        kept = policy.trim([good, good], 2)
+        assert len(kept[1]) == 8  # the other row is never held back
+        if outcome is not None and len(kept[0]):
+            policy.observe(0, kept[0], outcome)
+        return len(kept[0])
+
+    assert [step(missed) for _ in range(3)] == [8, 8, 8]  # three failures...
+    assert [step(missed) for _ in range(4)] == [0, 0, 0, 8]  # ...then a wait, and a retry that fails
+    assert [step(missed) for _ in range(8)] == [0] * 7 + [8]  # twice the wait
+    assert policy.held(0) and step(None) == 0
+    policy.observe(0, good, paid)  # a draft that pays (a probe's) releases the row
+    assert not policy.held(0) and step(None) == 8
+    policy.end(0)
+    policy.begin(0)  # a new request starts free
+    assert step(None) == 8
+    fixed = Policy(PolicyConfig(kind="fixed", k=8))
+    fixed.begin(0)
+    for _ in range(5):
+        fixed.observe(0, good, missed)
+    assert fixed.budgets([8], 1) == [8] and not fixed.held(0)  # the fixed policy always drafts k
+
+
 def test_adaptive_alpha_follows_the_evidence() -> None:
     policy = Policy(PolicyConfig(kind="adaptive", k=8, prior=0.5), cost_table(1))
     policy.begin(0)
@@ -603,7 +642,7 @@ def test_adaptive_alpha_follows_the_evidence() -> None:
 
 
 def test_adaptive_probes_only_where_cheap() -> None:
-    config = PolicyConfig(kind="adaptive", k=8, look_cost=0.0, probe_every=4)
+    config = PolicyConfig(kind="adaptive", k=8, look_cost=0.0, probe_every=4, stop_after=10**6)
     cheap = Policy(config, cost_table(1, per_token=0.1))
     cheap.begin(0)
     _evidence(cheap, 0, 50, accepted=0)
@@ -633,7 +672,7 @@ def test_adaptive_probes_only_where_cheap() -> None:
 
 
 def test_a_proposers_setup_time_is_paid_only_where_it_is_repaid() -> None:
-    config = PolicyConfig(kind="adaptive", k=8, look_cost=0.0, probe_every=4, prior=0.8)
+    config = PolicyConfig(kind="adaptive", k=8, look_cost=0.0, probe_every=4, prior=0.8, stop_after=10**6)
     policy = Policy(config, cost_table(1, per_token=0.02))  # drafting pays well at alpha 0.8
     policy.begin(0)
     assert policy.budgets([8], 1, [64]) == [8]

@@ -21,11 +21,18 @@ speculation would not pay. What "progress" means depends on how the batch is run
 
 At large batch the
 verification of extra tokens is no longer free, so speculation switches itself off there.
-While off, the policy probes (drafts ``probe_k`` tokens after ``probe_every`` idle steps) only
-where a probe is cheap (latency(batch, 1 + probe_k) <= ``probe_cost`` x latency(batch, 1)), so
-that a request whose text becomes predictable again is noticed. A probe that no row accepts
+While off, the policy probes (drafts up to ``probe_k`` tokens after ``probe_every`` idle steps)
+only where a probe is cheap (its forward and its drafting together cost at most ``probe_cost``
+plain steps; a costly proposer probes with fewer tokens, or not at all), so that a request whose
+text becomes predictable again is noticed. A probe that no row accepts
 any of doubles the wait before the next (up to ``PROBE_GAP_MAX`` steps); one that pays resets
 it: on traffic that never accepts, probing costs little.
+
+Each request also keeps its own brake, whatever the pooled and label evidence say: once its
+last ``stop_after`` drafts all had no token accepted, the row stops drafting for
+``probe_every`` steps, then tries again; each failed retry doubles the wait (up to
+``PROBE_GAP_MAX``) and a draft that pays releases it. A short request whose drafts keep failing
+so loses at most a few failed verifications, however well the method did elsewhere.
 
 A proposer may first have to catch up on a request's context before it can draft (a draft
 model's own prefill of a long prompt): the caller passes that *setup* time per row. The policy
@@ -88,6 +95,7 @@ class PolicyConfig:
     look_cost: float = 0.05  # a proposer this cheap (share of a plain step) drafts before the gate; 0 = never
     label_min: float = 8.0  # outcomes a draft label needs before its own alpha trims its drafts (and
     # all requests pooled before their alpha replaces `prior` for new requests)
+    stop_after: int = 4  # a request whose last this many drafts all failed stops drafting for a while
 
     def __post_init__(self) -> None:
         if self.kind not in ("fixed", "adaptive"):
@@ -102,6 +110,8 @@ class PolicyConfig:
             raise SpecdraftError(f"policy look_cost must be in [0, 1], got {self.look_cost!r}")
         if self.probe_every < 1 or self.probe_cost < 1:
             raise SpecdraftError("probe_every must be >= 1 and probe_cost >= 1")
+        if self.stop_after < 1:
+            raise SpecdraftError(f"policy stop_after must be >= 1, got {self.stop_after!r}")
 
     @property
     def probe_k(self) -> int:
@@ -250,6 +260,25 @@ class _Evidence:
         return (self.accepted + p) / (self.accepted + self.rejected + 1.0)
 
 
+@dataclass(slots=True)
+class _Hold:
+    """A request's own brake: ``streak`` drafts in a row that had no token accepted; once it
+    reaches ``stop_after`` the row stops drafting for ``wait`` steps (``gap``, doubled after
+    each failed retry up to ``PROBE_GAP_MAX``, back to ``probe_every`` once a draft pays)."""
+
+    gap: int
+    streak: int = 0
+    wait: int = 0
+
+    def observe(self, accepted: int, stop_after: int, base_gap: int) -> None:
+        if accepted > 0:
+            self.streak, self.gap, self.wait = 0, base_gap, 0
+            return
+        self.streak += 1
+        if self.streak >= stop_after:
+            self.wait, self.gap = self.gap, min(2 * self.gap, PROBE_GAP_MAX)
+
+
 PROBE_GAP_MAX = 64  # the longest wait between probes (steps), after probes that found nothing
 HORIZON_TOKENS = 64  # tokens a row is assumed to have left when the caller does not say
 PROBE_SETUP_SHARE = 0.02  # probes' setups may cost up to this share of the time between probes
@@ -270,6 +299,7 @@ class Policy:
         self.evidence: dict[int, _Evidence] = {}
         self.by_label: dict[str, _Evidence] = {}  # across requests: draft label -> outcomes
         self.pooled = _Evidence()  # across requests: every outcome (the prior of new requests)
+        self.holds: dict[int, _Hold] = {}  # per row: its failure streak and how long it waits
         self.idle_steps = 0  # consecutive steps the adaptive policy chose not to speculate
         self.probing = False  # the last budgets() call was a probe
         self.probe_gap = config.probe_every  # idle steps before the next probe
@@ -278,7 +308,7 @@ class Policy:
         self.propose_cost = ProposeCost()  # the proposer's measured time against draft depth
 
     # what the policy has learned (per row and across requests), without the cost model
-    _MEMORY = ("evidence", "by_label", "pooled", "idle_steps", "probing", "probe_gap", "probe_paid",
+    _MEMORY = ("evidence", "by_label", "pooled", "holds", "idle_steps", "probing", "probe_gap", "probe_paid",
                "looking", "propose_cost")
 
     def snapshot(self) -> dict[str, object]:
@@ -298,6 +328,7 @@ class Policy:
 
     def begin(self, row: int) -> None:
         self.evidence[row] = _Evidence(prior=self.pooled_alpha())
+        self.holds[row] = _Hold(gap=self.config.probe_every)
 
     def pooled_alpha(self) -> float:
         """The alpha of all outcomes so far, once there are ``label_min`` of them (else the
@@ -308,6 +339,13 @@ class Policy:
 
     def end(self, row: int) -> None:
         self.evidence.pop(row, None)
+        self.holds.pop(row, None)
+
+    def held(self, row: int) -> bool:
+        """Whether the row's own recent drafts all failed (``stop_after`` in a row) and it is
+        waiting: it does not draft, whatever the pooled or label evidence says."""
+        hold = self.holds.get(row)
+        return hold is not None and hold.wait > 0
 
     def alpha(self, row: int) -> float:
         return self.evidence.get(row, _Evidence()).alpha(self.config.prior)
@@ -323,6 +361,9 @@ class Policy:
         if self.config.kind == "fixed":
             return [min(k, c) for c in caps]
         self._settle_probe()
+        for hold in self.holds.values():
+            hold.wait = max(0, hold.wait - 1)
+        caps = [0 if self.held(row) else c for row, c in enumerate(caps)]
         paying = sum(t for t, c in zip(setup or (), caps) if c > 0)  # rows catch up together
         self.looking = paying == 0 and self._cheap_to_look(batch)
         if self.looking:  # drafting is nearly free: see the drafts first, decide in trim()
@@ -355,16 +396,16 @@ class Policy:
     def _gate(self, best: int, batch: int, setup: float = 0.0) -> int:
         """``best`` (the chosen draft length) or, after ``probe_gap`` idle steps in a row, a
         cheap probe of ``probe_k`` tokens (then ``probing`` is set); ``setup``: seconds the
-        proposer would spend first (see ``_cheap_probe``)."""
+        proposer would spend first (see ``_probe_length``)."""
         if best > 0:
             self.idle_steps = 0
             return best
         self.idle_steps += 1
-        if self.idle_steps >= self.probe_gap and self._cheap_probe(batch, setup):
+        length = self._probe_length(batch, setup) if self.idle_steps >= self.probe_gap else 0
+        if length:
             self.idle_steps = 0
             self.probing = True  # this step's drafts are for evidence: trim() keeps them
-            return self.config.probe_k
-        return 0
+        return length
 
     def _cheap_to_look(self, batch: int) -> bool:
         """Whether drafting the full k costs at most ``look_cost`` of one plain target step, so
@@ -378,20 +419,22 @@ class Policy:
         """The remaining counts the objective uses (none for throughput)."""
         return remaining if self.config.objective == "batch-end" else None
 
-    def _cheap_probe(self, batch: int, setup: float = 0.0) -> bool:
-        """A probe's forward may cost at most ``probe_cost`` plain steps. A proposer's setup
-        must fit in what is left of that allowance, or in ``PROBE_SETUP_SHARE`` of the plain
-        steps since the last probe (``probe_gap``): probing then costs at most that share of
-        the time however it goes, and an idle draft model can still catch up now and then to
-        find out whether drafting pays again, while a prompt's whole prefill is not paid for a
-        probe."""
+    def _probe_length(self, batch: int, setup: float = 0.0) -> int:
+        """The longest probe (up to ``probe_k`` tokens) whose forward and drafting cost at most
+        ``probe_cost`` plain steps (0: none does). A proposer's setup must fit in what is left
+        of that allowance, or in ``PROBE_SETUP_SHARE`` of the plain steps since the last probe
+        (``probe_gap``): probing then costs at most that share of the time however it goes,
+        and an idle draft model can still catch up now and then to find out whether drafting
+        pays again, while a prompt's whole prefill is not paid for a probe."""
         assert self.cost is not None
         q_max = 1 + self.config.k
         plain = self.cost.latency(batch, 1, q_max)
-        probe = self.cost.latency(batch, 1 + self.config.probe_k, q_max)
-        if probe > self.config.probe_cost * plain:
-            return False
-        return setup <= max(self.config.probe_cost * plain - probe, PROBE_SETUP_SHARE * self.probe_gap * plain)
+        allowed = self.config.probe_cost * plain
+        for n in range(self.config.probe_k, 0, -1):
+            probe = self.cost.latency(batch, 1 + n, q_max) + self.propose_cost.estimate(n)
+            if probe <= allowed and setup <= max(allowed - probe, PROBE_SETUP_SHARE * self.probe_gap * plain):
+                return n
+        return 0
 
     def best_length(self, caps: Seq[int], batch: int, remaining: Seq[int] | None = None) -> int:
         """The K in 0..k with the most progress per second (see the module doc). A row with
@@ -414,11 +457,12 @@ class Policy:
 
     def observe(self, row: int, draft: Draft, acceptance: Acceptance) -> None:
         depth = max(draft.depths(), default=0)
-        if depth == 0 or row not in self.evidence:
+        if depth == 0 or row not in self.evidence or self.config.kind != "adaptive":
             return
         rejected = 1.0 if acceptance.accepted < depth else 0.0
         _decay_add(self.evidence[row], self.config.decay, acceptance.accepted, rejected)
         _decay_add(self.pooled, LABEL_DECAY, acceptance.accepted, rejected)
+        self.holds[row].observe(acceptance.accepted, self.config.stop_after, self.config.probe_every)
         if self.probing and acceptance.accepted > 0:
             self.probe_paid = True
         if draft.label:
@@ -440,7 +484,7 @@ class Policy:
         ``budgets``."""
         if self.config.kind != "adaptive":
             return drafts
-        out = self.trim_labels(drafts, batch)
+        out = [Draft.empty() if self.held(row) else d for row, d in enumerate(self.trim_labels(drafts, batch))]
         if self.probing:
             return out
         depth = self.batch_depth(out, batch, live, self._remaining(remaining))
