@@ -490,12 +490,15 @@ def _sampled(tiny_hf, siblings: bool):
     plain = Engine(model, tiny.tokenizer)
     base = tiny.tokenizer.encode("a b a b")
     likely = _next_probs(model, [base], T1)[0].topk(4).indices.tolist()
-    starts = [[c] for c in likely]
-    if siblings:
-        after = _next_probs(model, [base + [c] for c in likely], T1)  # [4, V]
-        starts += [[c, int(x)] for c, row in zip(likely, after) for x in row.topk(3).indices[1:]]
-    runs = plain.generate([base + s for s in starts], GenerationConfig(max_new_tokens=6, ignore_eos=True))
-    prompt = [t for st, r in zip(reversed(starts), reversed(runs)) for t in [*st, *r.tokens]] + base
+    def build(starts: list[list[int]]) -> list[int]:
+        runs = plain.generate([base + s for s in starts], GenerationConfig(max_new_tokens=6, ignore_eos=True))
+        return [t for st, r in zip(reversed(starts), reversed(runs)) for t in [*st, *r.tokens]] + base
+
+    prompt = build([[c] for c in likely])
+    for _ in range(3 if siblings else 0):  # the next tokens depend on the prompt: settle them
+        after = _next_probs(model, [prompt + [c] for c in likely], T1)  # [4, V]
+        # c followed by each of its three most likely next tokens, the likeliest first
+        prompt = build([[c, int(x)] for c, row in zip(likely, after) for x in row.topk(3).indices])
     p1 = _next_probs(model, [prompt], T1)[0]  # [V]
     vocab = p1.shape[0]
     p2 = _next_probs(model, [prompt + [x] for x in range(vocab)], T1)  # [V, V]

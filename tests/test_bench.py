@@ -272,7 +272,7 @@ def sweep(tiny_gguf, mine_jsonl, tmp_path_factory):
     out = tmp_path_factory.mktemp("sweep")
     cfg = BenchConfig(methods=(MethodSpec.parse("ngram"), MethodSpec.parse("ngram:k=4,policy=fixed")),
                       workloads=("repeat", f"mine={mine_jsonl}"), batch_sizes=(1, 2), max_new_tokens=8, samples=2,
-                      repeats=2, model=str(tiny_gguf), out=str(out))
+                      repeats=2, batched_repeats=1, model=str(tiny_gguf), out=str(out))
     logged: list[str] = []
     results = run_bench(cfg, log=logged.append)
     return cfg, results, out, logged
@@ -290,7 +290,7 @@ def test_sweep_rows(sweep):
         assert r["base_method"] == ("plain" if r["method"] == "plain" else "ngram")
         assert r["requests"] == 2  # batch 1: samples requests; batch 2: one full batch
         assert 0 < r["new_tokens"] <= r["requests"] * cfg.max_new_tokens
-        assert r["time_s"] > 0 and r["time_s"] == statistics.median(r["times_s"]) and len(r["times_s"]) == cfg.repeats
+        assert r["time_s"] > 0 and r["time_s"] == statistics.median(r["times_s"]) and len(r["times_s"]) == cfg.repeats_at(r["batch"])
         assert r["tokens_per_s"] > 0 and r["tokens_per_s"] == pytest.approx(r["new_tokens"] / r["time_s"])
         assert 0 <= r["acceptance_rate"] <= 1
         assert all(0 <= a <= 1 for a in r["acceptance_by_position"])
@@ -372,7 +372,8 @@ def test_report_rebuilt_from_results_json_alone(sweep, tmp_path, capsys):
     assert md.startswith("# specdraft benchmark")
     for needle in (results["model"]["name"], Path(results["model"]["source"]).name, m["cpu"],
                    f"{m['torch_threads']} torch threads", c["dtype"], f"python {m['python']}",
-                   f"torch {m['torch']}", f"specdraft {m['specdraft']}"):
+                   f"torch {m['torch']}", f"specdraft {m['specdraft']}",
+                   "2 timed repeat(s) at batch 1, 1 at larger batches"):
         assert needle in md, needle
     lines = md.splitlines()
     first = next(i for i, line in enumerate(lines) if line.startswith("|"))

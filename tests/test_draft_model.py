@@ -27,7 +27,7 @@ from specdraft.proposers.base import Proposer, ProposerContext
 from specdraft.proposers.draft_model import DraftModelConfig, DraftModelProposer
 from specdraft.sampling import Sampling
 from specdraft.sequence import GenerationConfig, Sequence
-from test_accept import _engine_lossless_check, sampled_setup  # noqa: F401  (a fixture)
+from test_accept import _engine_lossless_check, check_siblings_lossless, sampled_setup, sibling_setup  # noqa: F401  (fixtures)
 from tiny_models import write_gguf_model, write_hf_model
 
 GEN = GenerationConfig(max_new_tokens=24, ignore_eos=True)
@@ -324,3 +324,20 @@ def test_engine_check_rejects_a_wrong_p_draft(sampled_setup) -> None:  # noqa: F
     _, joint, triple, _ = _engine_lossless_check(
         sampled_setup, proposer=lambda model, tokenizer: MixedUpRows(DraftModelProposer(draft, model.config.vocab_size)))
     assert joint.rejects or triple.rejects, (joint, triple)
+
+
+def flat_draft(target: torch.nn.Module) -> torch.nn.Module:
+    """A draft much flatter than the target (LM head scaled down): its first candidate is often
+    rejected, and a later one, drawn from the same p_draft, often accepted."""
+    draft = copy.deepcopy(target)
+    with torch.no_grad():
+        draft.lm_head.weight.mul_(0.4)
+    return draft
+
+
+def test_sampled_siblings_are_lossless_through_the_engine(sibling_setup, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """branches=3: three candidates drawn from p_draft at the first position; the sampler that
+    skips the residual between them must be caught."""
+    draft = flat_draft(sibling_setup[0])
+    check_siblings_lossless(sibling_setup, lambda model, _t: DraftModelProposer(draft, model.config.vocab_size, 3, 4), 4,
+                            monkeypatch)

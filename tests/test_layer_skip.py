@@ -24,7 +24,7 @@ from specdraft.proposers.base import ProposerContext
 from specdraft.proposers.layer_skip import LayerSkipConfig, LayerSkipProposer
 from specdraft.sampling import Sampling
 from specdraft.sequence import GenerationConfig, Sequence
-from test_accept import _engine_lossless_check, sampled_setup  # noqa: F401  (a fixture)
+from test_accept import _engine_lossless_check, check_siblings_lossless, sampled_setup, sibling_setup  # noqa: F401  (fixtures)
 from test_draft_model import Setup, engine
 from tiny_models import write_hf_model
 
@@ -166,3 +166,9 @@ def test_sweep_speedup_estimate() -> None:
     verify = 54.0 + (64.0 - 54.0) / 4  # c(5), interpolated
     assert rows[0]["est_speedup"] == pytest.approx(2.0 * 40.0 / (verify + 4 * 0.5 * 40.0))
     assert rows[0]["cost_fraction_with_head"] == pytest.approx(0.2 + 0.8 * 0.5)
+
+
+def test_sampled_siblings_are_lossless_through_the_engine(sibling_setup, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """branches=3 from the first layer: later candidates are often accepted; the sampler that
+    skips the residual between them must be caught."""
+    check_siblings_lossless(sibling_setup, lambda model, _t: LayerSkipProposer(model, 1, branches=3), 4, monkeypatch)

@@ -17,7 +17,7 @@ from specdraft.metrics import SpecStats
 from specdraft.proposers import describe_methods, make_proposer
 from specdraft.proposers.base import Verified
 from specdraft.proposers.lookahead import LookaheadConfig, LookaheadProposer, NgramPool, split_budget
-from test_accept import ENGINE_ROWS, _engine_lossless_check, sampled_setup  # noqa: F401 (fixture)
+from test_accept import ENGINE_ROWS, _engine_lossless_check, check_siblings_lossless, sampled_setup, sibling_setup  # noqa: F401 (fixtures)
 from test_spec_engine import GEN, Setup, loopy, spec_engine, tiny  # noqa: F401 (fixtures)
 
 # =========================================================================== greedy equivalence
@@ -270,3 +270,9 @@ def test_coldstart_command_writes_json_and_plot(tiny_hf, tmp_path) -> None:
     assert all(r["requests"] == 2 and r["est_speedup"] is None for r in data["results"])
     assert (out / "coldstart.png").stat().st_size > 0
     assert main(["--out", str(out), "--model", str(tiny_hf), "--method", "nosuch"]) == 2
+
+
+def test_siblings_are_lossless_through_the_engine(sibling_setup, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """Pool candidates from the prompt give the root several siblings, often accepted."""
+    check_siblings_lossless(sibling_setup, lambda _m, _t: LookaheadProposer(LookaheadConfig(window=2, ngram=2, candidates=3)),
+                            6, monkeypatch)

@@ -32,7 +32,7 @@ from specdraft.proposers.base import ProposerContext
 from specdraft.proposers.retrieval import RestConfig, RestProposer, frequency_tree
 from specdraft.sequence import GenerationConfig, Sequence
 from specdraft.suffix_array import longest_match, suffix_array
-from test_accept import ENGINE_ROWS, _engine_lossless_check, sampled_setup  # noqa: F401  (a fixture)
+from test_accept import ENGINE_ROWS, _engine_lossless_check, check_siblings_lossless, sampled_setup, sibling_setup  # noqa: F401  (fixtures)
 
 INFO = DatastoreInfo(fingerprint="f" * 64, tokens=0, documents=0, description="test")
 
@@ -303,3 +303,12 @@ def test_datastore_build_mistakes_exit_2(argv: list[str], needle: str, tiny_hf: 
     lines = [line for line in err.splitlines() if line.strip() and not line.startswith(("tokenizing", "indexing"))]
     assert code == 2 and "Traceback" not in err
     assert len(lines) == 1 and lines[0].startswith("specdraft: error:") and needle in lines[0]
+
+
+def test_siblings_are_lossless_through_the_engine(sibling_setup, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """Trees whose later siblings are often accepted (the datastore holds the prompt, whose
+    likely tokens are each followed by several likely continuations)."""
+    _, tokenizer, prompt = sibling_setup[:3]
+    store = Datastore.from_documents([prompt], DatastoreInfo(tokenizer_fingerprint(tokenizer), 0, 0, "prompt"))
+    check_siblings_lossless(sibling_setup, lambda _m, _t: RestProposer(store, RestConfig(min_suffix=1, max_suffix=3)), 4,
+                            monkeypatch)

@@ -6,6 +6,7 @@ proposer and the policy on their own, the ``verify`` command, and one real-model
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from dataclasses import dataclass
 from collections.abc import Sequence as Seq
@@ -97,11 +98,13 @@ def cost_table(batch: int, per_token: float = 0.001, k: int = 8) -> CostModel:
 
 
 def spec_engine(loaded: LoadedModel, proposer: Proposer, k: int, policy: str = "fixed", batch: int = 1,
-                stop_after: int = PolicyConfig.stop_after) -> Engine:
+                stop_after: int | None = None) -> Engine:
     cost = cost_table(batch, k=k) if policy == "adaptive" else None
     # throughput: keep drafting for the rows that can while others cannot, so that the ragged
     # batches of the equivalence tests accept enough to mean something
-    config = PolicyConfig(kind=policy, k=k, objective="throughput", stop_after=stop_after)
+    config = PolicyConfig(kind=policy, k=k, objective="throughput")
+    if stop_after is not None:  # the row's brake (default: the policy's)
+        config = dataclasses.replace(config, stop_after=stop_after)
     return Engine(loaded.model, loaded.tokenizer, proposer, Policy(config, cost))
 
 

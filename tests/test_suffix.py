@@ -21,7 +21,7 @@ from specdraft.proposers import make_proposer
 from specdraft.proposers.suffix import SuffixConfig, SuffixProposer, merge
 from specdraft.proposers.suffix_tree import ROOT, Growth, SuffixTrie
 from specdraft.sequence import GenerationConfig
-from test_accept import ENGINE_ROWS, _engine_lossless_check, sampled_setup  # noqa: F401 (fixture)
+from test_accept import ENGINE_ROWS, _engine_lossless_check, check_siblings_lossless, sampled_setup, sibling_setup  # noqa: F401 (fixtures)
 from test_spec_engine import GEN, Setup, loopy, spec_engine, tiny  # noqa: F401 (fixtures)
 
 # =========================================================================== the trie
@@ -353,3 +353,10 @@ def test_merge_shares_prefixes_best_first_within_the_budget() -> None:
     assert merge([a, b], 8) == ([1, 2, 3, 4, 5], [-1, 0, 1, 0, -1])
     assert merge([a, b], 4) == ([1, 2, 3, 4], [-1, 0, 1, 0])
     assert merge([b, a], 2) == ([1, 4], [-1, 0])
+
+
+def test_siblings_are_lossless_through_the_engine(sibling_setup, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """Trees whose later siblings are often accepted: a sampler that skips the residual
+    between siblings must be caught (see ``check_siblings_lossless``)."""
+    check_siblings_lossless(sibling_setup, lambda _m, _t: SuffixProposer(SuffixConfig(min_prob=0.0), max_draft=4), 4,
+                            monkeypatch)

@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a quick run (a few minutes on 2 CPU cores): every registered method with settings that "
                         "work out of the box (draft: the target's first 8 layers exported as a draft model; rest: "
                         "the standard-library datastore, built once), on repeat, code, math and chat, one "
-                        "prompt at batch 1 and one batch of 8, 32 new tokens; options given explicitly still win")
+                        "prompt at batch 1 (median of 3 rounds) and one batch of 8, 32 new tokens; options given "
+                        "explicitly still win")
     b.add_argument("--methods", default=None,
                    help="comma-separated methods; settings after a colon, separated by '+', e.g. "
                         "'ngram,ngram:k=4+policy=fixed,ngram:branches=2' (default: ngram; plain always runs)")
@@ -117,7 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, default=None, help="tokens per request (default: 128)")
     b.add_argument("--samples", type=int, default=None,
                    help="requests per workload at batch 1; batch B runs max(1, samples // B) full batches (default: 8)")
-    b.add_argument("--repeats", type=int, default=1, help="timed repeats; the median is reported (default: 1)")
+    b.add_argument("--repeats", type=int, default=None,
+                   help="timed repeats in rotated order; the median is reported (default: 1, or 3 at batch 1 with --quick)")
+    b.add_argument("--batched-repeats", type=int, default=None,
+                   help="timed repeats at batch sizes > 1 (default: as --repeats, or 1 with --quick)")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     b.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     b.add_argument("--peers", default="",
@@ -239,19 +243,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from specdraft.bench.quick import quick_methods
 
         methods = quick_methods(args.model) if args.methods is None else []
+        # one 32-token request per cell takes about 2 s, and a shared CPU's noise is of the order of
+        # 10-20% over that: batch 1 (the column people read first) takes the median of 3 rounds
         preset = {"methods": ",".join(m.replace(",", "+") for m in methods),
                   "workloads": QUICK_WORKLOADS, "batch_sizes": "1,8", "max_new_tokens": 32, "samples": 1,
-                  "out": "runs/quick"}
+                  "repeats": 3, "batched_repeats": 1, "out": "runs/quick"}
     else:
         preset = {"methods": "ngram", "workloads": "summarization,rag,code,creative", "batch_sizes": "1",
-                  "max_new_tokens": 128, "samples": 8, "out": "runs/bench"}
+                  "max_new_tokens": 128, "samples": 8, "repeats": 1, "out": "runs/bench"}
     for key, value in preset.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     methods = tuple(MethodSpec.parse(m.replace("+", ",")) for m in args.methods.split(",") if m.strip())
     cfg = BenchConfig(methods=methods, workloads=tuple(w.strip() for w in args.workloads.split(",") if w.strip()),
                       batch_sizes=_int_list(args.batch_sizes, "--batch-sizes"), max_new_tokens=args.max_new_tokens,
-                      samples=args.samples, repeats=args.repeats, temperature=args.temperature, seed=args.seed,
+                      samples=args.samples, repeats=args.repeats, batched_repeats=args.batched_repeats,
+                      temperature=args.temperature, seed=args.seed,
                       model=args.model, dtype=args.dtype, device=args.device, out=args.out,
                       batch_invariant=args.batch_invariant,
                       peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()))

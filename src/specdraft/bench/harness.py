@@ -88,6 +88,7 @@ class BenchConfig:
     max_new_tokens: int = 128
     samples: int = 8  # requests per workload at batch 1; a batch of B runs max(1, samples // B) full batches
     repeats: int = 1
+    batched_repeats: int | None = None  # timed repeats at batch sizes > 1 (None: ``repeats``)
     temperature: float = 0.0
     seed: int = 0
     model: str | None = None
@@ -98,8 +99,12 @@ class BenchConfig:
     peers: tuple[str, ...] = ()  # "transformers", "llamacpp": measured at batch 1, skipped with a note if missing
     isolate_peers: bool = True  # each peer in its own process: a crash there loses only that peer's rows
 
+    def repeats_at(self, batch: int) -> int:
+        """Timed repeats (rotated rounds, the median reported) at this batch size."""
+        return self.repeats if batch == 1 or self.batched_repeats is None else self.batched_repeats
+
     def __post_init__(self) -> None:
-        if self.samples < 1 or self.repeats < 1 or self.max_new_tokens < 1:
+        if self.samples < 1 or self.repeats < 1 or self.max_new_tokens < 1 or (self.batched_repeats or 1) < 1:
             raise SpecdraftError("samples, repeats and max_new_tokens must be >= 1")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise SpecdraftError("batch sizes must be positive integers")
@@ -258,7 +263,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str,
         batches(requests[w], b, w, cfg.samples)  # fail early on impossible batch sizes
     rows: list[Row] = []
     warmed: set[tuple[str, int]] = set()
-    bar = tqdm(total=len(plan) * len(methods) * cfg.repeats, desc="bench", unit="run", file=sys.stderr)
+    bar = tqdm(total=sum(cfg.repeats_at(b) for _, b in plan) * len(methods), desc="bench", unit="run", file=sys.stderr)
     for w, b in plan:
         groups = batches(requests[w], b, w, cfg.samples)
         for m in methods:
@@ -268,7 +273,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str,
                 warmed.add((m.label, b))
         runs: dict[str, list[RunResult]] = {m.label: [] for m in methods}
         memory = {m.label: Memory.of(engines[m.label]) for m in methods}
-        for order in rounds(methods, cfg.repeats):
+        for order in rounds(methods, cfg.repeats_at(b)):
             for m in order:
                 memory[m.label].restore(engines[m.label])  # every round starts from the same state
                 runs[m.label].append(run_config(engines[m.label], groups, gen, cfg))

@@ -32,8 +32,15 @@ def header(results: dict[str, Any]) -> str:
         f"- machine: {m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads; "
         f"python {m['python']}, torch {m['torch']}, specdraft {m['specdraft']}",
         f"- {c['samples']} prompts per workload, {c['max_new_tokens']} new tokens, temperature {c['temperature']}, "
-        f"seed {c['seed']}, {c['repeats']} timed repeat(s) (median; methods in rotated order each round), warm-up excluded",
+        f"seed {c['seed']}, {_repeats(c)} (median; methods in rotated order each round), warm-up excluded",
     ])
+
+
+def _repeats(c: dict[str, Any]) -> str:
+    batched = c.get("batched_repeats")
+    if batched is None or batched == c["repeats"]:
+        return f"{c['repeats']} timed repeat(s)"
+    return f"{c['repeats']} timed repeat(s) at batch 1, {batched} at larger batches"
 
 
 def results_table(rows: list[dict[str, Any]]) -> str:
