@@ -674,6 +674,20 @@ def test_adaptive_probes_only_where_cheap() -> None:
     assert [dear.budgets([8], 64)[0] for _ in range(8)] == [0] * 8
 
 
+def test_a_costly_proposer_probes_with_fewer_tokens_or_not_at_all() -> None:
+    """A probe's price includes the proposer's drafting: a draft model whose tokens cost 0.2 of
+    a target step each probes with 2 tokens (1.02 + 0.4 <= 1.6 plain steps), not probe_k = 4;
+    one whose tokens cost a whole step never probes."""
+    config = PolicyConfig(kind="adaptive", k=8, look_cost=0.0, probe_every=2, stop_after=10**6)
+    for per_token, probe in ((0.2, 2), (1.0, 0)):
+        policy = Policy(config, cost_table(1, per_token=0.01))
+        policy.begin(0)
+        _evidence(policy, 0, 50, accepted=0)
+        for depth in (2, 4, 6, 8):
+            policy.observe_propose_time(depth, per_token * depth)  # seconds: a plain step costs 1
+        assert [policy.budgets([8], 1)[0] for _ in range(2)] == [0, probe]
+
+
 def test_a_proposers_setup_time_is_paid_only_where_it_is_repaid() -> None:
     config = PolicyConfig(kind="adaptive", k=8, look_cost=0.0, probe_every=4, prior=0.8, stop_after=10**6)
     policy = Policy(config, cost_table(1, per_token=0.02))  # drafting pays well at alpha 0.8

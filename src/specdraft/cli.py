@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep.set_defaults(func=cmd_report)
 
     _add_datastore_commands(sub)
+    from specdraft.cli_train import add_train_commands
+
+    add_train_commands(sub, _add_model_options)
 
     bench = sub.add_parser("bench-runtime", help="benchmark the model runtime (plain decoding, verification cost)",
                            description="Plain decode tokens/s at batch 1 and 8 next to Hugging Face "

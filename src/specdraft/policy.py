@@ -457,12 +457,13 @@ class Policy:
 
     def observe(self, row: int, draft: Draft, acceptance: Acceptance) -> None:
         depth = max(draft.depths(), default=0)
-        if depth == 0 or row not in self.evidence or self.config.kind != "adaptive":
+        if depth == 0 or row not in self.evidence:
             return
         rejected = 1.0 if acceptance.accepted < depth else 0.0
         _decay_add(self.evidence[row], self.config.decay, acceptance.accepted, rejected)
         _decay_add(self.pooled, LABEL_DECAY, acceptance.accepted, rejected)
-        self.holds[row].observe(acceptance.accepted, self.config.stop_after, self.config.probe_every)
+        if self.config.kind == "adaptive":  # the fixed policy always drafts k
+            self.holds[row].observe(acceptance.accepted, self.config.stop_after, self.config.probe_every)
         if self.probing and acceptance.accepted > 0:
             self.probe_paid = True
         if draft.label:

@@ -1,0 +1,78 @@
+"""The ``specdraft train ...`` commands (argument parsing only; the work is in ``train/``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from specdraft.errors import SpecdraftError
+
+
+def add_train_commands(sub: argparse._SubParsersAction, add_model_options) -> None:  # type: ignore[no-untyped-def]
+    train = sub.add_parser("train", help="make training data for drafters from the target's own outputs",
+                           description="Drafters (EAGLE, Medusa, MTP heads) must predict this model, so their "
+                                       "data is the target's own answers to training prompts.")
+    actions = train.add_subparsers(dest="action", required=True, metavar="ACTION")
+    d = actions.add_parser("data", help="answer training prompts with the target (resumable, sharded)",
+                           description="Runs the target over the training prompts found in --prompts (the layout of "
+                                       "shared/datasets/train: GPTeacher, Alpaca-Libre, OASST, self-instruct seeds) "
+                                       "and writes its answers as token shards to --out. Rerun the same command to "
+                                       "resume: prompts already in a shard are skipped. Evaluation sets are never read.")
+    d.add_argument("--prompts", required=True, metavar="DIR", help="folder of training prompt sets")
+    d.add_argument("--out", required=True, metavar="DIR", help="output folder (manifest.json + shard-*.jsonl)")
+    d.add_argument("--sources", default=None,
+                   help="comma-separated sources (default: all found): gpteacher-codegen, gpteacher-roleplay, "
+                        "alpaca-libre, oasst1, oasst-samples, self-instruct-seed")
+    d.add_argument("--limit", type=int, default=None, help="answer at most this many prompts in all (default: all)")
+    d.add_argument("--split", default="train,validation", help="which splits to answer (default: both)")
+    d.add_argument("--max-new-tokens", type=int, default=256, help="longest answer (default: 256)")
+    d.add_argument("--temperatures", default="0,0.7",
+                   help="prompt i is answered at the (i mod n)-th of these (default: 0,0.7: greedy and sampled)")
+    d.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer prompts (default: 512)")
+    d.add_argument("--batch-size", type=int, default=16, help="prompts decoded together (default: 16)")
+    d.add_argument("--shard-size", type=int, default=64, help="prompts per shard, the unit of resumption (default: 64)")
+    d.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="start no new shard after this long (default: none)")
+    d.add_argument("--seed", type=int, default=0, help="base seed of the sampled answers (default: 0)")
+    add_model_options(d)
+    d.set_defaults(func=cmd_train_data)
+    s = actions.add_parser("summary", help="count the prompts and tokens of a data folder")
+    s.add_argument("folder", help="a folder written by `specdraft train data`")
+    s.set_defaults(func=cmd_train_summary)
+
+
+def cmd_train_data(args: argparse.Namespace) -> int:
+    from specdraft.model.loader import load, set_threads
+    from specdraft.train.data import DataConfig, generate_data
+    from specdraft.train.prompts import load_training_prompts
+
+    try:
+        temperatures = tuple(float(t) for t in args.temperatures.split(",") if t.strip())
+    except ValueError:
+        raise SpecdraftError(f"--temperatures must be comma-separated numbers, got {args.temperatures!r}") from None
+    splits = tuple(s.strip() for s in args.split.split(",") if s.strip())
+    if not splits or any(s not in ("train", "validation") for s in splits):
+        raise SpecdraftError(f"--split takes train and/or validation, got {args.split!r}")
+    cfg = DataConfig(max_new_tokens=args.max_new_tokens, temperatures=temperatures,
+                     max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size, shard_size=args.shard_size,
+                     seed=args.seed, limit=args.limit, time_budget_s=args.time_budget, splits=splits)
+    sources = tuple(s.strip() for s in args.sources.split(",")) if args.sources else None
+    prompts = load_training_prompts(args.prompts, sources)
+    if args.threads is not None and args.threads < 1:
+        raise SpecdraftError(f"--threads must be >= 1, got {args.threads}")
+    set_threads(args.threads)
+    loaded = load(args.model, dtype=args.dtype, device=args.device, batch_invariant=args.batch_invariant)
+    report = generate_data(loaded, prompts, args.out, cfg, dtype=args.dtype)
+    print(f"train data: {report.line()} -> {args.out}")
+    return 0
+
+
+def cmd_train_summary(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from specdraft.train.data import summary
+
+    if not Path(args.folder).is_dir():
+        raise SpecdraftError(f"not a folder: {args.folder}")
+    print(json.dumps(summary(args.folder), indent=2))
+    return 0

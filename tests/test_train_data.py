@@ -1,0 +1,171 @@
+"""Training prompts (every source layout, splits, no evaluation set) and self-distillation data
+(the target's own answers, sharded, resumable, refused when the settings differ)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specdraft.cli import main
+from specdraft.engine import Engine
+from specdraft.errors import SpecdraftError
+from specdraft.model.loader import LoadedModel, load
+from specdraft.sampling import Sampling
+from specdraft.sequence import GenerationConfig
+from specdraft.train.data import DataConfig, generate_data, read_shards, summary
+from specdraft.train.prompts import SOURCES, TrainPrompt, load_training_prompts
+
+
+def write_train_folder(root: Path) -> Path:
+    """A small folder in the upstream layouts of every known source (and an evaluation set
+    beside them, which must never be read)."""
+    (root / "gpteacher").mkdir(parents=True)
+    (root / "gpteacher" / "codegen-instruct.json").write_text(json.dumps([
+        {"instruction": "Write a function that adds two numbers.", "input": "", "response": "def add(a, b): ..."},
+        {"instruction": "Fix the bug.", "input": "def f(x) return x", "response": "def f(x): return x"},
+    ]))
+    (root / "gpteacher" / "roleplay-simple-deduped-roleplay-instruct.json").write_text(json.dumps([
+        {"instruction": "You are a pirate. Greet me.", "input": "", "response": "Ahoy!"},
+    ]))
+    (root / "alpaca_libre").mkdir()
+    (root / "alpaca_libre" / "alpaca_libre_tasks_v1.jsonl").write_text(
+        json.dumps({"status": "ok", "instruction": "Name a color.", "input": "", "output": "Blue."}) + "\n"
+        + json.dumps({"status": "too similar", "instruction": "Name a colour.", "input": "", "output": "Red."}) + "\n")
+    (root / "alpaca_libre" / "alpaca_libre_tasks_v2.jsonl").write_text(  # an upstream line with `""""`
+        '{"status": "ok", "instruction": "Say hi.", "input": """", "output": "Hi.", "other": {}}\n')
+    (root / "oasst1_en_validation").mkdir()
+    msgs = [
+        {"message_id": "a", "parent_id": None, "role": "prompter", "text": "How do plants grow?", "deleted": False},
+        {"message_id": "b", "parent_id": "a", "role": "assistant", "text": "Slowly.", "rank": 1, "deleted": False},
+        {"message_id": "c", "parent_id": "a", "role": "assistant", "text": "With light.", "rank": 0, "deleted": False},
+        {"message_id": "d", "parent_id": "c", "role": "prompter", "text": "Why?", "deleted": False},
+        {"message_id": "e", "parent_id": None, "role": "prompter", "text": "Deleted one", "deleted": True},
+    ]
+    (root / "oasst1_en_validation" / "en-validation.jsonl").write_text("".join(json.dumps(m) + "\n" for m in msgs))
+    (root / "oasst_prompt_samples").mkdir()
+    (root / "oasst_prompt_samples" / "en_100_text.jsonl").write_text(json.dumps("Tell me a joke.") + "\n")
+    (root / "self_instruct_seed").mkdir()
+    (root / "self_instruct_seed" / "seed_tasks.jsonl").write_text(json.dumps(
+        {"id": "seed_task_0", "instruction": "Sort these numbers.", "instances": [{"input": "3 1 2", "output": "1 2 3"}]})
+        + "\n")
+    (root / "spec_bench").mkdir()  # an evaluation set: never read
+    (root / "spec_bench" / "question.jsonl").write_text(json.dumps({"question_id": 1, "turns": ["EVAL PROMPT"]}) + "\n")
+    return root
+
+
+@pytest.fixture()
+def train_folder(tmp_path: Path) -> Path:
+    return write_train_folder(tmp_path / "train")
+
+
+def test_every_source_layout_is_read(train_folder: Path) -> None:
+    prompts = load_training_prompts(train_folder)
+    by_text = {p.text: p for p in prompts}
+    assert set(by_text) == {
+        "Write a function that adds two numbers.", "Fix the bug.\n\ndef f(x) return x", "You are a pirate. Greet me.",
+        "Name a color.", "Say hi.", "How do plants grow?", "Tell me a joke.", "Sort these numbers.\n\n3 1 2"}
+    assert by_text["How do plants grow?"].reference == "With light."  # the best-ranked reply
+    assert by_text["Tell me a joke."].reference is None
+    assert by_text["Say hi."].source == "alpaca-libre"  # the repaired upstream line
+    assert {p.source for p in prompts} == set(SOURCES)
+    assert len({p.id for p in prompts}) == len(prompts)
+    assert all("EVAL" not in p.text for p in prompts)
+    assert load_training_prompts(train_folder, ("oasst1",)) == [by_text["How do plants grow?"]]
+
+
+def test_splits_are_stable_and_hold_out_about_five_percent() -> None:
+    prompts = [TrainPrompt(f"s/{i}", "s", f"p{i}", None) for i in range(4000)]
+    share = sum(p.split == "validation" for p in prompts) / len(prompts)
+    assert 0.035 < share < 0.065
+    assert [p.split for p in prompts] == [TrainPrompt(p.id, "other", "x", None).split for p in prompts]  # by id alone
+
+
+def test_bad_training_folders_are_one_line_errors(tmp_path: Path, train_folder: Path) -> None:
+    with pytest.raises(SpecdraftError, match="not found"):
+        load_training_prompts(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SpecdraftError, match="no training prompts found"):
+        load_training_prompts(tmp_path / "empty")
+    with pytest.raises(SpecdraftError, match="unknown training source"):
+        load_training_prompts(train_folder, ("spec_bench",))
+    (train_folder / "gpteacher" / "codegen-instruct.json").write_text("[{broken")
+    with pytest.raises(SpecdraftError, match="cannot read"):
+        load_training_prompts(train_folder)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_hf: Path) -> LoadedModel:
+    return load(tiny_hf)
+
+
+def test_data_is_the_targets_own_answers_and_resumes(tiny: LoadedModel, train_folder: Path, tmp_path: Path) -> None:
+    prompts = load_training_prompts(train_folder)
+    out = tmp_path / "data"
+    cfg = DataConfig(max_new_tokens=6, batch_size=3, shard_size=3, limit=5)
+    first = generate_data(tiny, prompts, out, cfg)
+    assert first.answered == 5 and first.done == 5 and first.tokens > 0
+    assert sorted(p.name for p in out.glob("shard-*.jsonl")) == ["shard-00000.jsonl", "shard-00001.jsonl"]
+    records = read_shards(out)
+    engine = Engine(tiny.model, tiny.tokenizer)
+    for r in records:  # each answer is what plain decoding gives, greedy or with the recorded seed
+        sampling = Sampling(temperature=r["temperature"], seed=r["seed"])
+        again = engine.generate([r["prompt"]], GenerationConfig(max_new_tokens=6), sampling)[0]
+        assert again.tokens == r["response"] and again.finish_reason == r["finish"]
+    assert {r["temperature"] for r in records} == {0.0, 0.7}
+    more = generate_data(tiny, prompts, out, DataConfig(max_new_tokens=6, batch_size=3, shard_size=3, limit=8))
+    assert more.answered == 3 and more.done == 8  # only the new prompts
+    ids = [r["id"] for r in read_shards(out)]
+    assert len(ids) == len(set(ids)) == 8
+    assert summary(out)["prompts"] == 8
+
+
+def test_an_interrupted_run_keeps_finished_shards(tiny: LoadedModel, train_folder: Path, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    prompts = load_training_prompts(train_folder)
+    out = tmp_path / "data"
+    calls = 0
+    real = Engine.generate
+
+    def dies_on_the_third_batch(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "generate", dies_on_the_third_batch)
+    with pytest.raises(KeyboardInterrupt):
+        generate_data(tiny, prompts, out, DataConfig(max_new_tokens=4, batch_size=2, shard_size=2))
+    assert len(read_shards(out)) == 4  # two whole shards; the third was lost, nothing half-written
+    assert not list(out.glob("*.tmp"))
+    monkeypatch.setattr(Engine, "generate", real)
+    report = generate_data(tiny, prompts, out, DataConfig(max_new_tokens=4, batch_size=2, shard_size=2))
+    assert report.done == len(prompts) and report.answered == len(prompts) - 4
+
+
+def test_other_settings_are_refused_and_a_time_budget_stops_between_shards(
+        tiny: LoadedModel, train_folder: Path, tmp_path: Path) -> None:
+    prompts = load_training_prompts(train_folder)
+    out = tmp_path / "data"
+    report = generate_data(tiny, prompts, out, DataConfig(max_new_tokens=4, shard_size=2, time_budget_s=0.0))
+    assert report.stopped == "time budget" and report.answered == 0
+    with pytest.raises(SpecdraftError, match="other settings .*max_new_tokens"):
+        generate_data(tiny, prompts, out, DataConfig(max_new_tokens=5, shard_size=2))
+    with pytest.raises(SpecdraftError, match="temperature"):
+        DataConfig(temperatures=(-1.0,))
+
+
+def test_the_train_data_command(tiny_gguf: Path, train_folder: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "cli"
+    code = main(["train", "data", "--prompts", str(train_folder), "--out", str(out), "--model", str(tiny_gguf),
+                 "--limit", "3", "--max-new-tokens", "4", "--sources", "gpteacher-codegen,alpaca-libre"])
+    assert code == 0
+    assert "3 prompts answered" in capsys.readouterr().out
+    assert json.loads((out / "manifest.json").read_text())["max_new_tokens"] == 4
+    assert main(["train", "summary", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out)["prompts"] == 3
+    code = main(["train", "data", "--prompts", str(tmp_path / "nowhere"), "--out", str(out), "--model", str(tiny_gguf)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "not found" in err
