@@ -23,7 +23,7 @@ from specdraft.model.kv_cache import KVCache
 from specdraft.model.tokenizer import Tokenizer
 from specdraft.model.transformer import ModelOutput, Transformer
 from specdraft.policy import Policy, PolicyConfig
-from specdraft.proposers.base import NoDraft, Proposer, Verified
+from specdraft.proposers.base import Features, NoDraft, Proposer, Verified, feature_request
 from specdraft.sampling import GREEDY, Sampling, make_generator, next_tokens
 from specdraft.sequence import GenerationConfig, Sequence
 
@@ -63,6 +63,7 @@ class Engine:
         self.proposer: Proposer = proposer if proposer is not None else NoDraft()
         self.policy = policy if policy is not None else Policy(PolicyConfig(kind="fixed", k=8))
         self.speculative = not isinstance(self.proposer, NoDraft)
+        self.wants = feature_request(self.proposer)  # hidden states the proposer drafts from
 
     @property
     def draft_headroom(self) -> int:
@@ -107,27 +108,37 @@ class Engine:
     # -- prefill ----------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence], cache: KVCache, chunk: int = PREFILL_CHUNK,
-                budget: int = PREFILL_TOKENS) -> Tensor:
+                budget: int = PREFILL_TOKENS, features: list[Features] | None = None) -> Tensor:
         """Feed whole prompts and return the logits after each prompt's last token: [B, V].
         Rows go in groups of similar length (``prefill_groups``), each group right-padded and in
         chunks, so that one long prompt does not make every row compute (and hold attention
         scores for) its length; a group other than the whole batch runs in a cache of its own
-        that is then copied into its rows."""
+        that is then copied into its rows. ``features`` (a list to fill, one per row): the
+        target's features at every prompt position, with the taps the proposer asked for."""
         lengths = [len(s.prompt) for s in seqs]
         groups = prefill_groups(lengths, budget)
+        parts: list[list[dict[int, list[Tensor]]]] | None = None if features is None else [{} for _ in seqs]  # type: ignore[misc]
         if len(groups) == 1:
-            return self.model.lm_logits(self._prefill_rows(seqs, cache, chunk))
-        last_hidden = torch.zeros(len(seqs), self.model.config.hidden_size, dtype=self.model.dtype,
-                                  device=self.model.device)  # [B, H]
-        for rows in groups:
-            part = self.model.new_cache(len(rows), max(lengths[r] for r in rows))
-            last_hidden[rows] = self._prefill_rows([seqs[r] for r in rows], part, chunk)
-            cache.copy_rows(part, rows)
-        return self.model.lm_logits(last_hidden)
+            logits = self.model.lm_logits(self._prefill_rows(seqs, cache, chunk, parts))
+        else:
+            last_hidden = torch.zeros(len(seqs), self.model.config.hidden_size, dtype=self.model.dtype,
+                                      device=self.model.device)  # [B, H]
+            for rows in groups:
+                part = self.model.new_cache(len(rows), max(lengths[r] for r in rows))
+                mine = None if parts is None else [parts[r] for r in rows]
+                last_hidden[rows] = self._prefill_rows([seqs[r] for r in rows], part, chunk, mine)
+                cache.copy_rows(part, rows)
+            logits = self.model.lm_logits(last_hidden)
+        if features is not None and parts is not None:
+            features.extend(_joined(p) for p in parts)
+        return logits
 
-    def _prefill_rows(self, seqs: list[Sequence], cache: KVCache, chunk: int) -> Tensor:
+    def _prefill_rows(self, seqs: list[Sequence], cache: KVCache, chunk: int,
+                      parts: "list[dict[int, list[Tensor]]] | None" = None) -> Tensor:
         """Right-padded, chunked prefill of every row of ``cache`` (padding rolled back).
-        Returns the final hidden state after each prompt's last token: [B, H]."""
+        Returns the final hidden state after each prompt's last token: [B, H]. ``parts``: per
+        row, lists of each chunk's features to fill (key -1: final-norm states; i >= 0: the
+        taps), for ``prefill``'s ``features``."""
         device = self.model.device
         lengths = [len(s.prompt) for s in seqs]
         width = max(lengths)
@@ -140,10 +151,14 @@ class Engine:
             tokens = padded[:, start : start + t].to(device)  # [B, t]
             positions = torch.tensor(cache.lengths, device=device)[:, None] + torch.arange(t, device=device)
             real = [max(0, min(n, start + t) - start) for n in lengths]  # each row's prompt tokens here
-            out = self.model(tokens, positions, cache, logits=False, prompt=real)
+            out = self.model(tokens, positions, cache, logits=False, prompt=real,
+                             return_hidden=self.wants.taps if parts is not None else ())
             for i, n in enumerate(lengths):
                 if start <= n - 1 < start + t:
                     last_hidden[i] = out.last_hidden[i, n - 1 - start]
+                if parts is not None and real[i]:
+                    for key, states in ((-1, out.last_hidden), *out.hidden.items()):
+                        parts[i].setdefault(key, []).append(states[i, : real[i]])  # [real, H]
             cache.truncate([min(n, start + t) for n in lengths])
         return last_hidden
 
@@ -191,8 +206,11 @@ class Engine:
             self.policy.begin(row)
         try:
             t0 = time.perf_counter()
-            last = self.first_tokens(self.prefill(seqs, cache), seqs)
+            features: list[Features] | None = [] if self.wants.prompt else None
+            last = self.first_tokens(self.prefill(seqs, cache, features=features), seqs)
             stats.prefill_s += time.perf_counter() - t0
+            for row, f in enumerate(features or ()):
+                self.proposer.prefilled(row, f)  # type: ignore[attr-defined]  # asked for with features.prompt
             for row, (s, tok) in enumerate(zip(seqs, last)):
                 s.append([tok])
                 yield from _events(row, s)
@@ -226,7 +244,8 @@ class Engine:
             kept = s.append(list(acc.tokens))
             s.stats.record(draft, acc, kept)
             stats.record(draft, acc, kept)
-            self.proposer.observe(row, draft, acc, Verified(logits[row], out.last_hidden[row]))
+            taps = {layer: states[row] for layer, states in out.hidden.items()}  # [1 + W, H] each
+            self.proposer.observe(row, draft, acc, Verified(logits[row], out.last_hidden[row], taps))
             self.policy.observe(row, draft, acc)
             last[row] = acc.tokens[-1]
             results.append(acc)
@@ -277,14 +296,21 @@ class Engine:
         device = self.model.device
         width = max(len(d) for d in drafts)
         lengths = torch.tensor(cache.lengths, device=device)[:, None]  # [B, 1]
+        taps = self.wants.taps
         if width == 0:
             tokens = torch.tensor(last, device=device)[:, None]  # [B, 1]
-            return self.model(tokens, lengths, cache)
+            return self.model(tokens, lengths, cache, return_hidden=taps)
         rows = [verify_inputs(d, width) for d in drafts]
         tokens = torch.tensor([[tok, *r[0][1:]] for tok, r in zip(last, rows)], device=device)  # [B, 1 + W]
         positions = lengths + torch.stack([r[1] for r in rows]).to(device)  # [B, 1 + W]
         mask = torch.stack([r[2] for r in rows]).to(device)  # [B, 1 + W, 1 + W]
-        return self.model(tokens, positions, cache, mask=mask)
+        return self.model(tokens, positions, cache, mask=mask, return_hidden=taps)
+
+
+def _joined(parts: dict[int, list[Tensor]]) -> Features:
+    """One row's prefill chunks joined: final-norm states (key -1) and taps, [T, H] each."""
+    joined = {key: torch.cat(chunks) for key, chunks in parts.items()}
+    return Features(joined.pop(-1), joined)
 
 
 def remaining(seqs: list[Sequence]) -> list[int]:

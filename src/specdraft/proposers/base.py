@@ -31,6 +31,12 @@ engine's state otherwise.
 
 A proposer that needs the target model (self-speculation, heads) or its tokenizer (a draft
 model's vocabulary check) gets them from the ``ProposerContext`` its factory receives.
+
+A proposer that drafts from the target's features (EAGLE, Medusa, MTP heads) declares what it
+needs with a ``features`` attribute (a ``FeatureRequest``): layer taps, returned in ``Verified``
+at every verification slot, and, with ``prompt``, the features of every prompt position, handed
+once to ``prefilled(row, features)`` after the prefill (so a head can fill its own cache).
+Proposers that ask for nothing cost nothing: the forwards then return no taps.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from typing import Protocol, runtime_checkable
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from torch import Tensor
@@ -64,11 +70,45 @@ class ProposerContext:
 
 
 @dataclass(frozen=True, slots=True)
+class FeatureRequest:
+    """What of the target's hidden states a proposer needs. taps: layer outputs (0 = the
+    embeddings, i = the output of layer i, num_layers = the last layer before the final norm);
+    prompt: also the features of every prompt position, once, after the prefill."""
+
+    taps: tuple[int, ...] = ()
+    prompt: bool = False
+
+    @property
+    def any(self) -> bool:
+        return bool(self.taps) or self.prompt
+
+
+NO_FEATURES = FeatureRequest()
+
+
+@dataclass(frozen=True, slots=True)
+class Features:
+    """The target's hidden states over a run of one row's tokens."""
+
+    last_hidden: Tensor  # [T, H] after the final norm (the LM head's input)
+    taps: dict[int, Tensor] = field(default_factory=dict)  # layer i -> [T, H], as requested
+
+
+@dataclass(frozen=True, slots=True)
 class Verified:
     """The target's view of one row's draft, from the verification pass."""
 
     logits: Tensor  # [1 + W, V] float32: at the root (row 0) and draft node i (row i + 1); W >= N
     hidden: Tensor  # [1 + W, H] final-norm hidden states at the same slots
+    taps: dict[int, Tensor] = field(default_factory=dict)  # layer i -> [1 + W, H] (the proposer's FeatureRequest)
+
+
+def feature_request(proposer: object) -> FeatureRequest:
+    """The proposer's ``features`` (optional: none when absent)."""
+    request = getattr(proposer, "features", NO_FEATURES)
+    if not isinstance(request, FeatureRequest):
+        raise TypeError(f"proposer {getattr(proposer, 'name', proposer)!r}: features must be a FeatureRequest")
+    return request
 
 
 @runtime_checkable
