@@ -117,7 +117,7 @@ class Engine:
         target's features at every prompt position, with the taps the proposer asked for."""
         lengths = [len(s.prompt) for s in seqs]
         groups = prefill_groups(lengths, budget)
-        parts: list[list[dict[int, list[Tensor]]]] | None = None if features is None else [{} for _ in seqs]  # type: ignore[misc]
+        parts: list[dict[int, list[Tensor]]] | None = None if features is None else [{} for _ in seqs]
         if len(groups) == 1:
             logits = self.model.lm_logits(self._prefill_rows(seqs, cache, chunk, parts))
         else:
@@ -129,7 +129,7 @@ class Engine:
                 last_hidden[rows] = self._prefill_rows([seqs[r] for r in rows], part, chunk, mine)
                 cache.copy_rows(part, rows)
             logits = self.model.lm_logits(last_hidden)
-        if features is not None and parts is not None:
+        if features is not None and parts is not None:  # (parts is made exactly when features is given)
             features.extend(_joined(p) for p in parts)
         return logits
 
