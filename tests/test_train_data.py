@@ -169,3 +169,39 @@ def test_the_train_data_command(tiny_gguf: Path, train_folder: Path, tmp_path: P
     code = main(["train", "data", "--prompts", str(tmp_path / "nowhere"), "--out", str(out), "--model", str(tiny_gguf)])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "not found" in err
+
+
+# =========================================================================== the reduced draft vocabulary
+
+
+def test_draft_vocab_maps_follow_eagle3s_layout() -> None:
+    import torch
+
+    from specdraft.train.vocab import DraftVocab, coverage, most_frequent, token_counts
+
+    counts = token_counts([[5, 5, 5, 1, 1, 9], [1, 7, 5], []], vocab_size=12)
+    assert counts.tolist() == [0, 3, 0, 0, 0, 4, 0, 1, 0, 1, 0, 0]
+    vocab = most_frequent(counts, 3)
+    assert vocab.target_ids.tolist() == [1, 5, 7]  # 5 (4) and 1 (3), then the tie 7/9 goes to the lower id
+    assert vocab.d2t.tolist() == [1, 4, 5]  # draft id i -> target id i + d2t[i]
+    assert vocab.t2d.nonzero().flatten().tolist() == [1, 5, 7] and vocab.t2d.numel() == 12
+    assert DraftVocab.from_maps(vocab.d2t, vocab.t2d).target_ids.tolist() == [1, 5, 7]
+    assert vocab.to_target(torch.tensor([[2, 0]])).tolist() == [[7, 1]]
+    assert vocab.to_draft(torch.tensor([7, 2, 1])).tolist() == [2, -1, 0]
+    assert coverage(counts, vocab) == 8 / 9
+    assert most_frequent(counts, 2, always=(11,)).target_ids.tolist() == [5, 11]
+    with pytest.raises(SpecdraftError, match="different draft vocabularies"):
+        DraftVocab.from_maps(vocab.d2t, torch.zeros(12, dtype=torch.bool))
+    with pytest.raises(SpecdraftError, match="strictly ascending"):
+        DraftVocab(torch.tensor([3, 3]), 12)
+    with pytest.raises(SpecdraftError, match="size"):
+        most_frequent(counts, 0)
+
+
+def test_the_train_vocab_command(tiny: LoadedModel, train_folder: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "data"
+    generate_data(tiny, load_training_prompts(train_folder), out, DataConfig(max_new_tokens=8))
+    assert main(["train", "vocab", str(out), "--sizes", "8,320", "--vocab-size", "320"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1].startswith("| 320 | 100.00% |")  # the whole vocabulary covers everything
+    assert main(["train", "vocab", str(tmp_path / "nowhere")]) == 2

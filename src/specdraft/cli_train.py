@@ -36,6 +36,16 @@ def add_train_commands(sub: argparse._SubParsersAction, add_model_options) -> No
     d.add_argument("--seed", type=int, default=0, help="base seed of the sampled answers (default: 0)")
     add_model_options(d)
     d.set_defaults(func=cmd_train_data)
+    v = actions.add_parser("vocab", help="how much of the target's answers a reduced draft vocabulary covers",
+                           description="For each size, the most frequent tokens of the train split's answers and the "
+                                       "share of the held-out answers' tokens they cover (the best acceptance any "
+                                       "head with that vocabulary can reach).")
+    v.add_argument("folder", help="a folder written by `specdraft train data`")
+    v.add_argument("--sizes", default="1024,2048,4096,8192,16384,32000", help="vocabulary sizes to compare")
+    v.add_argument("--vocab-size", type=int, default=None, help="the target's vocabulary (default: from the data)")
+    v.add_argument("--always", type=int, action="append", default=[2], metavar="ID",
+                   help="ids always kept (default: 2, the default model's EOS; repeatable)")
+    v.set_defaults(func=cmd_train_vocab)
     s = actions.add_parser("summary", help="count the prompts and tokens of a data folder")
     s.add_argument("folder", help="a folder written by `specdraft train data`")
     s.set_defaults(func=cmd_train_summary)
@@ -75,4 +85,28 @@ def cmd_train_summary(args: argparse.Namespace) -> int:
     if not Path(args.folder).is_dir():
         raise SpecdraftError(f"not a folder: {args.folder}")
     print(json.dumps(summary(args.folder), indent=2))
+    return 0
+
+
+def cmd_train_vocab(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from specdraft.train.data import read_shards
+    from specdraft.train.vocab import coverage_table, token_counts
+
+    folder = Path(args.folder)
+    if not folder.is_dir():
+        raise SpecdraftError(f"not a folder: {folder}")
+    records = read_shards(folder)
+    if not records:
+        raise SpecdraftError(f"{folder} has no shards yet (make them with `specdraft train data`)")
+    vocab = max(max(r["response"], default=0) for r in records) + 1 if args.vocab_size is None else args.vocab_size
+    train = token_counts((r["response"] for r in records if r["split"] == "train"), vocab)
+    held = token_counts((r["response"] for r in records if r["split"] == "validation"), vocab)
+    sizes = [int(x) for x in args.sizes.split(",")]
+    rows = coverage_table(train, held, sizes, always=tuple(args.always))
+    print(f"{int(train.sum()):,} train and {int(held.sum()):,} held-out answer tokens")
+    print("| draft vocabulary | train coverage | held-out coverage |\n|---|---|---|")
+    for r in rows:
+        print(f"| {r['size']:,} | {r['train_coverage']:.2%} | {r['held_out_coverage']:.2%} |")
     return 0
