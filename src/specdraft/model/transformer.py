@@ -23,8 +23,8 @@ from specdraft.model.rope import apply_rope, rope_table
 def numerics_version(batch_invariant: bool) -> int:
     """Bumped whenever a change alters the bits a forward computes for the same inputs (part of
     the key of `specdraft verify`'s cache of plain outputs). Batch-invariant 2: prompts attend
-    one call per row (`prompt_attention`)."""
-    return 2 if batch_invariant else 1
+    one call per row (`prompt_attention`); 3: one-row products run as two rows (`linear.py`)."""
+    return 3 if batch_invariant else 1
 
 
 @dataclass(slots=True)
