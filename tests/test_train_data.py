@@ -205,3 +205,39 @@ def test_the_train_vocab_command(tiny: LoadedModel, train_folder: Path, tmp_path
     lines = capsys.readouterr().out.splitlines()
     assert lines[-1].startswith("| 320 | 100.00% |")  # the whole vocabulary covers everything
     assert main(["train", "vocab", str(tmp_path / "nowhere")]) == 2
+
+
+# =========================================================================== teacher forcing
+
+
+def test_teacher_batches_equal_a_plain_forward_per_sequence(tiny: LoadedModel) -> None:
+    import torch
+
+    from specdraft.train.teacher import TeacherConfig, length_batches, teacher_batches
+
+    g = torch.Generator().manual_seed(4)
+    pairs = [(torch.randint(3, 300, (n,), generator=g).tolist(), torch.randint(3, 300, (m,), generator=g).tolist())
+             for n, m in ((5, 7), (12, 3), (3, 20), (9, 9), (30, 40))]
+    cfg = TeacherConfig(taps=(0, 1, 2), top_k=5, batch_tokens=40, max_len=64)
+    seen = []
+    for group, batch in teacher_batches(tiny.model, pairs, cfg):
+        seen += group
+        assert batch.tokens.shape[0] * batch.tokens.shape[1] <= max(40, max(batch.lengths))
+        for b, i in enumerate(group):
+            prompt, answer = pairs[i]
+            seq = (prompt + answer)[:64]
+            n = len(seq)
+            with torch.inference_mode():
+                cache = tiny.model.new_cache(1, n)
+                out = tiny.model(torch.tensor([seq]), torch.arange(n)[None], cache, return_hidden=(0, 1, 2))
+            assert batch.tokens[b, :n].tolist() == seq and batch.lengths[b] == n
+            torch.testing.assert_close(batch.last_hidden[b, :n], out.last_hidden[0], atol=1e-5, rtol=1e-4)
+            for layer in (0, 1, 2):
+                torch.testing.assert_close(batch.taps[layer][b, :n], out.hidden[layer][0], atol=1e-5, rtol=1e-4)
+            top = out.logits[0].softmax(-1).topk(5, dim=-1)
+            assert torch.equal(batch.top_ids[b, :n], top.indices)
+            torch.testing.assert_close(batch.top_probs[b, :n], top.values, atol=1e-5, rtol=1e-4)
+            # positions whose next token is an answer token: the prompt's last through the answer's last but one
+            assert batch.answer[b].nonzero().flatten().tolist() == list(range(len(prompt) - 1, n - 1))
+    assert sorted(seen) == list(range(len(pairs)))
+    assert length_batches([5, 50, 6, 7], 20) == [[0, 2], [3], [1]]
