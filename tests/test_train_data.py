@@ -177,7 +177,8 @@ def test_the_train_data_command(tiny_gguf: Path, train_folder: Path, tmp_path: P
 def test_draft_vocab_maps_follow_eagle3s_layout() -> None:
     import torch
 
-    from specdraft.train.vocab import DraftVocab, coverage, most_frequent, token_counts
+    from specdraft.heads.vocab import DraftVocab
+    from specdraft.train.vocab import coverage, most_frequent, token_counts
 
     counts = token_counts([[5, 5, 5, 1, 1, 9], [1, 7, 5], []], vocab_size=12)
     assert counts.tolist() == [0, 3, 0, 0, 0, 4, 0, 1, 0, 1, 0, 0]

@@ -1,0 +1,68 @@
+"""Medusa heads (Cai et al. 2024): K small heads on the target's last hidden state, head k
+guessing the token k positions past the one the target's own LM head gives.
+
+At the position t of the last committed token, the target's LM head gives token t + 1 (the
+next draft's root, the bonus token) and head k (k = 1..K) guesses token t + 1 + k. Head k is a
+residual block, h + SiLU(W_k h + b_k), followed by one LM head shared by all heads over a
+reduced draft vocabulary (``train/vocab.py``); with W_k = 0 a head starts as the target's own
+LM head restricted to that vocabulary, as Medusa initialises it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specdraft.errors import SpecdraftError
+from specdraft.heads.vocab import DraftVocab
+
+
+@dataclass(frozen=True, slots=True)
+class MedusaConfig:
+    """heads: K, the positions guessed past the bonus token; hidden_size: the target's;
+    draft_vocab: the reduced vocabulary's size; target_vocab: the target's."""
+
+    heads: int
+    hidden_size: int
+    draft_vocab: int
+    target_vocab: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.heads <= 16 or self.hidden_size < 1 or not 1 <= self.draft_vocab <= self.target_vocab:
+            raise SpecdraftError(f"medusa: need 1 <= heads <= 16 and 1 <= draft_vocab <= target_vocab, got {self}")
+
+
+class MedusaHeads(nn.Module):
+    def __init__(self, config: MedusaConfig, vocab: DraftVocab) -> None:
+        super().__init__()
+        if vocab.size != config.draft_vocab or vocab.target_size != config.target_vocab:
+            raise SpecdraftError("medusa: the draft vocabulary does not match the heads' config")
+        self.config = config
+        h = config.hidden_size
+        self.blocks = nn.ModuleList(nn.Linear(h, h) for _ in range(config.heads))
+        for block in self.blocks:
+            nn.init.zeros_(block.weight)
+            nn.init.zeros_(block.bias)
+        self.lm_head = nn.Linear(h, config.draft_vocab, bias=False)
+        self.register_buffer("target_ids", vocab.target_ids.clone(), persistent=False)  # [N] draft id -> target id
+
+    @classmethod
+    def from_target(cls, config: MedusaConfig, vocab: DraftVocab, target_lm_head: Tensor) -> "MedusaHeads":
+        """Heads whose shared LM head starts as the target's, restricted to the draft vocabulary."""
+        heads = cls(config, vocab)
+        with torch.no_grad():
+            heads.lm_head.weight.copy_(target_lm_head[vocab.target_ids].float())
+        return heads
+
+    @property
+    def vocab(self) -> DraftVocab:
+        return DraftVocab(self.target_ids.cpu(), self.config.target_vocab)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        """hidden: [..., H] final-norm target states -> logits [..., K, N] over the draft vocabulary."""
+        x = hidden.to(self.lm_head.weight.dtype)
+        states = torch.stack([x + F.silu(block(x)) for block in self.blocks], dim=-2)  # [..., K, H]
+        return self.lm_head(states)  # [..., K, N]
