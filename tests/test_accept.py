@@ -628,11 +628,12 @@ def _no_residual_between_siblings(draft: Draft, logits: torch.Tensor, sampling: 
 
 
 def check_siblings_lossless(setup, make: "Callable[[Transformer, Tokenizer], Proposer]", k: int,
-                            monkeypatch: pytest.MonkeyPatch) -> int:
+                            monkeypatch: pytest.MonkeyPatch, catches_the_bug: bool = True) -> int:
     """Every tree-drafting method's sibling test: through the engine, on ``sibling_setup``,
     the sampler passes; a later sibling is accepted in at least 5% of the rows; and the same
-    check rejects a sampler that skips the residual between siblings. Returns how many rows
-    accepted a later sibling."""
+    check rejects a sampler that skips the residual between siblings (``catches_the_bug``:
+    False only for a proposer whose first tree cannot depend on the first token, see
+    test_medusa.py). Returns how many rows accepted a later sibling."""
     later = 0
     real = accept_module.accept_sampled
 
@@ -648,10 +649,11 @@ def check_siblings_lossless(setup, make: "Callable[[Transformer, Tokenizer], Pro
         first, joint, triple, _ = _engine_lossless_check(setup, proposer=make, k=k)
     assert not first.rejects and not joint.rejects and not triple.rejects, (first, joint, triple)
     assert later > 0.05 * ENGINE_ROWS, f"later siblings accepted in only {later} rows"
-    with monkeypatch.context() as m:
-        m.setattr(accept_module, "accept_sampled", _no_residual_between_siblings)
-        _, joint, triple, _ = _engine_lossless_check(setup, proposer=make, k=k)
-    assert joint.rejects or triple.rejects, (joint, triple)
+    if catches_the_bug:
+        with monkeypatch.context() as m:
+            m.setattr(accept_module, "accept_sampled", _no_residual_between_siblings)
+            _, joint, triple, _ = _engine_lossless_check(setup, proposer=make, k=k)
+        assert joint.rejects or triple.rejects, (joint, triple)
     return later
 
 

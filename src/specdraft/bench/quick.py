@@ -4,7 +4,9 @@ the box, and what those settings need prepared once (cached between runs):
 - ``draft``: no smaller model with SmolLM2's tokenizer ships with specdraft, so the quick run
   drafts with the target's own first layers exported as a separate model
   (``runs/drafts/<model>-l<N>``; a stand-in for a real draft such as a distilled one);
-- ``rest``: the Python standard-library datastore for the target's tokenizer, built if missing.
+- ``rest``: the Python standard-library datastore for the target's tokenizer, built if missing;
+- trained heads (``medusa``): the heads the package ships for the model (``shipped_heads``);
+  a method with none for it is skipped with a note.
 """
 
 from __future__ import annotations
@@ -36,9 +38,30 @@ def quick_methods(model: str | None, log: Callable[[str], None] = lambda s: prin
         elif name == "rest":
             ensure_default_datastore(model, log, corpus)
             specs.append("rest")
+        elif name in TRAINED:
+            path = shipped_heads(name, model)
+            if path is None:
+                log(f"quick: {name} skipped: no trained heads ship for this model (make them with `specdraft train`)")
+                continue
+            specs.append(f"{name}:path={path}")
         else:
             specs.append(name)
     return specs
+
+
+TRAINED = ("medusa",)  # methods that need trained weights
+
+
+def shipped_heads(method: str, model: str | None) -> Path | None:
+    """The package's trained heads of ``method`` for the model (``specdraft/weights/<model file
+    stem>/<method>``), or None."""
+    from importlib import resources
+
+    from specdraft.model.loader import default_model_path
+
+    source = default_model_path() if model is None else Path(model).expanduser()
+    folder = resources.files("specdraft") / "weights" / source.stem / method
+    return Path(str(folder)) if folder.is_dir() and (folder / "config.json").is_file() else None
 
 
 def ensure_truncated_draft(model: str | None, layers: int, log: Callable[[str], None]) -> Path:

@@ -10,13 +10,16 @@ LM head restricted to that vocabulary, as Medusa initialises it.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import ModelFileError, SpecdraftError
 from specdraft.heads.vocab import DraftVocab
 
 
@@ -66,3 +69,56 @@ class MedusaHeads(nn.Module):
         x = hidden.to(self.lm_head.weight.dtype)
         states = torch.stack([x + F.silu(block(x)) for block in self.blocks], dim=-2)  # [..., K, H]
         return self.lm_head(states)  # [..., K, N]
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def save_medusa(heads: MedusaHeads, folder: str | Path, target: str, extra: dict[str, Any] | None = None) -> Path:
+    """Write ``config.json`` (the heads' shape, the target it was trained for) and
+    ``model.safetensors`` (the heads, the shared LM head, EAGLE-3-style ``d2t``/``t2d``)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    c = heads.config
+    config = {"architecture": "specdraft-medusa", "medusa_num_heads": c.heads, "hidden_size": c.hidden_size,
+              "draft_vocab_size": c.draft_vocab, "vocab_size": c.target_vocab, "target": target, **(extra or {})}
+    vocab = heads.vocab
+    tensors = {f"blocks.{i}.{p}": getattr(b, p).detach().contiguous() for i, b in enumerate(heads.blocks)
+               for p in ("weight", "bias")}
+    tensors.update({"lm_head.weight": heads.lm_head.weight.detach().contiguous(), "d2t": vocab.d2t, "t2d": vocab.t2d})
+    save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return folder
+
+
+def load_medusa(folder: str | Path, hidden_size: int, target_vocab: int) -> MedusaHeads:
+    """Heads saved by ``save_medusa``; refused in one line when missing, corrupt or made for a
+    target of another hidden size or vocabulary."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    folder = Path(folder).expanduser()
+    if not (folder / CONFIG_FILE).is_file() or not (folder / WEIGHTS_FILE).is_file():
+        raise ModelFileError(f"medusa: no heads in {folder} (expected {CONFIG_FILE} and {WEIGHTS_FILE})")
+    try:
+        config = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
+        tensors = load_file(str(folder / WEIGHTS_FILE))
+        c = MedusaConfig(int(config["medusa_num_heads"]), int(config["hidden_size"]), int(config["draft_vocab_size"]),
+                         int(config["vocab_size"]))
+    except (json.JSONDecodeError, SafetensorError, KeyError, ValueError, TypeError, OSError) as e:
+        raise ModelFileError(f"medusa: {folder} is corrupt or truncated ({type(e).__name__})") from None
+    if (c.hidden_size, c.target_vocab) != (hidden_size, target_vocab):
+        raise ModelFileError(f"medusa: the heads in {folder} were trained for a target with hidden size {c.hidden_size} "
+                             f"and {c.target_vocab} tokens ({config.get('target', '?')}); this model has {hidden_size} "
+                             f"and {target_vocab}")
+    try:
+        heads = MedusaHeads(c, DraftVocab.from_maps(tensors.pop("d2t"), tensors.pop("t2d")))
+        heads.load_state_dict(tensors, strict=True)
+    except (KeyError, RuntimeError) as e:
+        raise ModelFileError(f"medusa: {folder} does not hold the tensors its config describes ({type(e).__name__})") from None
+    return heads

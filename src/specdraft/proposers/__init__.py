@@ -20,6 +20,7 @@ from specdraft.proposers.draft_model import DraftModelConfig, make_draft_propose
 from specdraft.proposers.layer_skip import LayerSkipConfig, make_layer_skip_proposer
 from specdraft.proposers.retrieval import RestConfig, RestProposer
 from specdraft.proposers.lookahead import LookaheadConfig, LookaheadProposer
+from specdraft.proposers.medusa import MedusaOptions, MedusaProposer
 from specdraft.proposers.suffix import SuffixConfig, SuffixProposer
 
 
@@ -45,6 +46,8 @@ METHODS: dict[str, Method] = {
                LookaheadConfig, lambda c, _x: LookaheadProposer(c)),
         Method("rest", "retrieval (REST): propose what followed the context's suffix in a datastore built from a corpus",
                RestConfig, RestProposer.from_context),
+        Method("medusa", "Medusa heads: trained heads on the target's last hidden state guess the next K tokens (chain or tree)",
+               MedusaOptions, MedusaProposer.from_context),
         Method("suffix", "suffix decoding: the most frequent continuations of the longest matching suffix (this request and earlier outputs) as a tree",
                SuffixConfig, SuffixProposer.from_context),
     )
