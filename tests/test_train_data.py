@@ -242,3 +242,40 @@ def test_teacher_batches_equal_a_plain_forward_per_sequence(tiny: LoadedModel) -
             assert batch.answer[b].nonzero().flatten().tolist() == list(range(len(prompt) - 1, n - 1))
     assert sorted(seen) == list(range(len(pairs)))
     assert length_batches([5, 50, 6, 7], 20) == [[0, 2], [3], [1]]
+
+
+# =========================================================================== training Medusa heads
+
+
+def test_medusa_training_learns_saves_resumes_and_refuses_other_settings(
+        tiny: LoadedModel, train_folder: Path, tmp_path: Path, capsys) -> None:
+    import torch
+
+    from specdraft.proposers import make_proposer
+    from specdraft.proposers.base import ProposerContext
+    from specdraft.train.medusa import CHECKPOINT, MedusaTrainConfig, evaluate, train_medusa
+    from specdraft.train.teacher import TeacherConfig, teacher_batches
+
+    data = tmp_path / "data"
+    prompts = [TrainPrompt(f"p/{i}", "p", f"Say {i} twice. " * (1 + i % 3), None) for i in range(80)]
+    generate_data(tiny, prompts, data, DataConfig(max_new_tokens=24, temperatures=(0.0,), batch_size=8))
+    out = tmp_path / "heads"
+    cfg = MedusaTrainConfig(heads=2, draft_vocab=64, epochs=3, lr=3e-3, batch_tokens=512, checkpoint_every=2)
+    stopped = train_medusa(tiny, data, out, MedusaTrainConfig(**{**cfg.key(), "time_budget_s": 0.0}))
+    assert stopped.positions == 0 and (out / CHECKPOINT).is_file()  # interrupted at once, with a checkpoint
+    result = train_medusa(tiny, data, out, cfg)  # resumes and finishes
+    assert result.positions > 0 and len(result.head_accuracy) == 2 and result.tau >= 1.0
+    heads = make_proposer("medusa", {"path": str(out)}, ProposerContext(tiny.model, tiny.tokenizer)).heads
+    # the trained heads beat their untrained start (the target's LM head) on the training answers
+    from specdraft.heads.medusa import MedusaConfig, MedusaHeads
+    from specdraft.train.data import read_shards
+
+    records = [r for r in read_shards(data) if r["split"] == "train"]
+    batches = [b for _, b in teacher_batches(tiny.model, [(r["prompt"], r["response"]) for r in records],
+                                             TeacherConfig(top_k=8, batch_tokens=512))]
+    start = MedusaHeads.from_target(MedusaConfig(2, tiny.config.hidden_size, 64, tiny.config.vocab_size), heads.vocab,
+                                    tiny.model.lm_head.weight.detach())
+    assert evaluate(heads, batches).tau > evaluate(start, batches).tau
+    with pytest.raises(SpecdraftError, match="other settings"):
+        train_medusa(tiny, data, out, MedusaTrainConfig(heads=3, draft_vocab=64, epochs=3))
+    assert main(["train", "medusa", "--data", str(tmp_path / "nowhere"), "--out", str(out)]) == 2

@@ -46,6 +46,22 @@ def add_train_commands(sub: argparse._SubParsersAction, add_model_options) -> No
     v.add_argument("--always", type=int, action="append", default=[2], metavar="ID",
                    help="ids always kept (default: 2, the default model's EOS; repeatable)")
     v.set_defaults(func=cmd_train_vocab)
+    m = actions.add_parser("medusa", help="train Medusa heads on the target's own answers (resumable)",
+                           description="Heads learn the target's own distribution k tokens ahead on the train split of "
+                                       "a `specdraft train data` folder; the held-out tau per head is printed at the "
+                                       "end. Rerun the same command to resume after an interrupt.")
+    m.add_argument("--data", required=True, metavar="DIR", help="a folder written by `specdraft train data`")
+    m.add_argument("--out", required=True, metavar="DIR", help="output folder (checkpoint, then config.json + model.safetensors)")
+    m.add_argument("--heads", type=int, default=3, help="K, tokens guessed past the bonus token (default: 3)")
+    m.add_argument("--draft-vocab", type=int, default=4096, help="reduced vocabulary size (default: 4096)")
+    m.add_argument("--epochs", type=int, default=1, help="passes over the train split (default: 1)")
+    m.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default: 0.001)")
+    m.add_argument("--limit", type=int, default=None, help="train answers used (default: all)")
+    m.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per batch (default: 2048)")
+    m.add_argument("--time-budget", type=float, default=None, metavar="SECONDS", help="stop with a checkpoint after this long")
+    m.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
+    add_model_options(m)
+    m.set_defaults(func=cmd_train_medusa)
     s = actions.add_parser("summary", help="count the prompts and tokens of a data folder")
     s.add_argument("folder", help="a folder written by `specdraft train data`")
     s.set_defaults(func=cmd_train_summary)
@@ -109,4 +125,20 @@ def cmd_train_vocab(args: argparse.Namespace) -> int:
     print("| draft vocabulary | train coverage | held-out coverage |\n|---|---|---|")
     for r in rows:
         print(f"| {r['size']:,} | {r['train_coverage']:.2%} | {r['held_out_coverage']:.2%} |")
+    return 0
+
+
+def cmd_train_medusa(args: argparse.Namespace) -> int:
+    from specdraft.model.loader import load, set_threads
+    from specdraft.train.medusa import MedusaTrainConfig, train_medusa
+
+    cfg = MedusaTrainConfig(heads=args.heads, draft_vocab=args.draft_vocab, epochs=args.epochs, lr=args.lr,
+                            batch_tokens=args.batch_tokens, seed=args.seed, limit=args.limit,
+                            time_budget_s=args.time_budget)
+    if args.threads is not None and args.threads < 1:
+        raise SpecdraftError(f"--threads must be >= 1, got {args.threads}")
+    set_threads(args.threads)
+    loaded = load(args.model, dtype=args.dtype, device=args.device)
+    result = train_medusa(loaded, args.data, args.out, cfg)
+    print(f"train medusa: {result.line()} -> {args.out}")
     return 0
