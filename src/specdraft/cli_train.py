@@ -14,8 +14,9 @@ def add_train_commands(sub: argparse._SubParsersAction, add_model_options) -> No
                                        "data is the target's own answers to training prompts.")
     actions = train.add_subparsers(dest="action", required=True, metavar="ACTION")
     d = actions.add_parser("data", help="answer training prompts with the target (resumable, sharded)",
-                           description="Runs the target over the training prompts found in --prompts (the layout of "
-                                       "shared/datasets/train: GPTeacher, Alpaca-Libre, OASST, self-instruct seeds) "
+                           description="Runs the target over the training prompts found in --prompts (the upstream layouts "
+                                       "of GPTeacher, Alpaca-Libre, OASST and the self-instruct seeds; see "
+                                       "specdraft.train.prompts) "
                                        "and writes its answers as token shards to --out. Rerun the same command to "
                                        "resume: prompts already in a shard are skipped. Evaluation sets are never read.")
     d.add_argument("--prompts", required=True, metavar="DIR", help="folder of training prompt sets")

@@ -1,8 +1,9 @@
 """Training prompts for drafters, read from a folder the user gives (never from the package).
 
-The folder holds public instruction and chat sets in their upstream layouts (the layout of the
-project's ``shared/datasets/train``; its README gives sources and licences). Only these files
-are read, by name, so an evaluation set can never be picked up by accident:
+The folder holds public instruction and chat sets in their upstream layouts, one folder per
+set (sources and licences are the folder's own business; the project's development copy lists
+them). Only these files are read, by name, so an evaluation set can never be picked up by
+accident:
 
 | source | file(s) | prompt | reference (the set's own answer) |
 |---|---|---|---|
