@@ -25,6 +25,6 @@ def build_engine(
     config = PolicyConfig(kind=policy, k=k)  # type: ignore[arg-type]
     if config.kind == "adaptive" and cost is None:
         cost = CostModel(loaded.model)
-    context = ProposerContext(loaded.model, loaded.tokenizer, max_draft=k)
+    context = ProposerContext(loaded.model, loaded.tokenizer, max_draft=k, source=str(loaded.source))
     proposer = make_proposer(method, options, context)
     return Engine(loaded.model, loaded.tokenizer, proposer, Policy(config, cost))

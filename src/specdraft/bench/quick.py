@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from specdraft.heads.shipped import shipped_heads
 from specdraft.proposers import method_names
 
 if TYPE_CHECKING:
@@ -49,19 +50,7 @@ def quick_methods(model: str | None, log: Callable[[str], None] = lambda s: prin
     return specs
 
 
-TRAINED = ("medusa",)  # methods that need trained weights
-
-
-def shipped_heads(method: str, model: str | None) -> Path | None:
-    """The package's trained heads of ``method`` for the model (``specdraft/weights/<model file
-    stem>/<method>``), or None."""
-    from importlib import resources
-
-    from specdraft.model.loader import default_model_path
-
-    source = default_model_path() if model is None else Path(model).expanduser()
-    folder = resources.files("specdraft") / "weights" / source.stem / method
-    return Path(str(folder)) if folder.is_dir() and (folder / "config.json").is_file() else None
+TRAINED = ("medusa", "eagle")  # methods that need trained weights
 
 
 def ensure_truncated_draft(model: str | None, layers: int, log: Callable[[str], None]) -> Path:

@@ -20,6 +20,7 @@ from specdraft.proposers.draft_model import DraftModelConfig, make_draft_propose
 from specdraft.proposers.layer_skip import LayerSkipConfig, make_layer_skip_proposer
 from specdraft.proposers.retrieval import RestConfig, RestProposer
 from specdraft.proposers.lookahead import LookaheadConfig, LookaheadProposer
+from specdraft.proposers.eagle import EagleOptions, EagleProposer
 from specdraft.proposers.medusa import MedusaOptions, MedusaProposer
 from specdraft.proposers.suffix import SuffixConfig, SuffixProposer
 
@@ -48,6 +49,8 @@ METHODS: dict[str, Method] = {
                RestConfig, RestProposer.from_context),
         Method("medusa", "Medusa heads: trained heads on the target's last hidden state guess the next K tokens (chain or tree)",
                MedusaOptions, MedusaProposer.from_context),
+        Method("eagle", "EAGLE-3 head: one trained layer over the target's fused low/mid/high features drafts EAGLE-2 dynamic trees (topk=1: a chain)",
+               EagleOptions, EagleProposer.from_context),
         Method("suffix", "suffix decoding: the most frequent continuations of the longest matching suffix (this request and earlier outputs) as a tree",
                SuffixConfig, SuffixProposer.from_context),
     )

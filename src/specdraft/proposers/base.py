@@ -61,12 +61,14 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class ProposerContext:
-    """What a proposer factory may use of the target: the model, its tokenizer and the
-    largest draft the policy will ask for."""
+    """What a proposer factory may use of the target: the model, its tokenizer, the largest
+    draft the policy will ask for, and the model's file or folder (for the heads the package
+    ships for it; empty: unknown)."""
 
     target: "Transformer"
     tokenizer: "Tokenizer"
     max_draft: int = 8
+    source: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ from specdraft.accept import Acceptance
 from specdraft.draft import Draft
 from specdraft.errors import SpecdraftError
 from specdraft.heads.medusa import MedusaHeads, load_medusa
+from specdraft.heads.shipped import shipped_heads
 from specdraft.model.kv_cache import KVCache
 from specdraft.proposers.base import FeatureRequest, Features, ProposerContext, Verified
 from specdraft.sequence import Sequence
@@ -31,7 +32,7 @@ from specdraft.sequence import Sequence
 @dataclass(frozen=True, slots=True)
 class MedusaOptions:
     """path: a folder of trained heads (``config.json`` + ``model.safetensors``, from
-    ``specdraft train medusa``). branches: head 1's candidates at the first draft position
+    ``specdraft train medusa``; empty: the heads shipped for the model). branches: head 1's candidates at the first draft position
     (1 = a chain)."""
 
     path: str = ""
@@ -56,10 +57,12 @@ class MedusaProposer:
     def from_context(cls, options: MedusaOptions, context: ProposerContext | None) -> "MedusaProposer":
         if context is None:
             raise SpecdraftError("method 'medusa' needs the target model")
-        if not options.path:
-            raise SpecdraftError("method 'medusa' needs trained heads: pass --opt path=DIR (made by `specdraft train medusa`)")
+        path = options.path or (shipped_heads("medusa", context.source) if context.source else None)
+        if not path:
+            raise SpecdraftError("method 'medusa' needs trained heads for this model: pass --opt path=DIR "
+                                 "(made by `specdraft train medusa`)")
         c = context.target.config
-        heads = load_medusa(options.path, c.hidden_size, c.vocab_size).to(context.target.device)
+        heads = load_medusa(path, c.hidden_size, c.vocab_size).to(context.target.device)
         return cls(heads, options.branches)
 
     def begin(self, row: int, seq: Sequence) -> None:

@@ -1,0 +1,235 @@
+"""EAGLE-3 drafting (:mod:`specdraft.heads.eagle`): chains, and EAGLE-2's dynamic trees.
+
+Each row keeps the head's keys/values of its committed positions (``HeadCache``) and the
+target's tap features of positions it has not fed yet (the prompt after the prefill, then the
+root and the accepted nodes of each verification). A proposal first feeds those (exact
+entries: the target's fused taps and the committed tokens); the last one is the anchor,
+whose output predicts the token after the bonus token. Then:
+
+- depth 1: the anchor's ``topk`` likeliest tokens;
+- depth d + 1: the ``topk`` depth-d nodes with the highest cumulative draft log-probability
+  are fed to the head (each with its parent's state and seeing only its own ancestors'
+  entries), and each gives its ``topk`` likeliest children;
+- the draft keeps the ``N`` nodes of highest cumulative log-probability (N = the row's
+  budget: the policy sizes it from the measured verification cost), which is a tree
+  since a child never scores above its parent.
+
+``topk=1`` is a chain. Drafts are deterministic (the top k of the head's distribution), so
+sampled rows stay exact. Drafted entries are scratch: the committed length only grows by
+exact entries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from specdraft.accept import Acceptance
+from specdraft.draft import Draft
+from specdraft.errors import SpecdraftError
+from specdraft.heads.eagle import EagleHead
+from specdraft.heads.eagle_checkpoint import load_eagle
+from specdraft.heads.shipped import shipped_heads
+from specdraft.model.kv_cache import KVCache
+from specdraft.model.transformer import grouped_attention
+from specdraft.proposers.base import FeatureRequest, Features, ProposerContext, Verified
+from specdraft.sequence import Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class EagleOptions:
+    """path: a head folder (``specdraft train eagle``; empty: the head shipped for the model).
+    depth: draft steps; topk: children per expanded node and nodes expanded per depth (1 = a
+    chain). The tree's size is the policy's budget."""
+
+    path: str = ""
+    depth: int = 6
+    topk: int = 4
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.depth <= 32 or not 1 <= self.topk <= 16:
+            raise SpecdraftError(f"eagle: need 1 <= depth <= 32 and 1 <= topk <= 16, got {self.depth}, {self.topk}")
+
+
+class HeadCache:
+    """The head's keys/values per row: [rows, Hkv, capacity, D], grown on demand."""
+
+    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.k = torch.zeros(0, kv_heads, 0, head_dim, dtype=dtype, device=device)
+        self.v = self.k.clone()
+
+    def ensure(self, rows: int, capacity: int) -> None:
+        r, h, cap, d = self.k.shape
+        if rows <= r and capacity <= cap:
+            return
+        shape = (max(rows, r), h, max(capacity, 2 * cap, 64), d)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros(shape)
+            new[:r, :, :cap] = old
+            setattr(self, name, new)
+
+    def attend(self, rows: Tensor, slots: Tensor, visible: Tensor, group: int):
+        """An ``attend`` for ``EagleHead.layer``: writes the new keys/values of row ``rows[i]``
+        at ``slots[i]`` ([R, Q]) and lets query j see the keys where ``visible[i, j]`` ([R, Q, S])."""
+
+        def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # q [R, Hq, Q, D]; k, v [R, Hkv, Q, D]
+            r_idx = rows[:, None].expand_as(slots)  # [R, Q]
+            self.k[r_idx, :, slots] = k.transpose(1, 2).to(self.k.dtype)  # [R, Q, Hkv, D]
+            self.v[r_idx, :, slots] = v.transpose(1, 2).to(self.v.dtype)
+            s = visible.shape[-1]
+            keys, values = self.k[rows, :, :s], self.v[rows, :, :s]  # [R, Hkv, S, D]
+            mask = visible.repeat(1, group, 1)[:, None]  # [R, 1, G*Q, S]
+            return grouped_attention(q, keys.to(q.dtype), values.to(q.dtype), mask, group)
+
+        return run
+
+
+class EagleProposer:
+    name = "eagle"
+
+    def __init__(self, head: EagleHead, context: ProposerContext, options: EagleOptions) -> None:
+        target = context.target
+        self.head = head.to(device=target.device, dtype=target.dtype).eval()
+        if getattr(target.lm_head, "packed", None) is not None:  # the target runs packed: so does the head
+            for m in self.head.modules():
+                if hasattr(m, "pack"):
+                    m.pack()
+        self.features = FeatureRequest(taps=head.config.taps, prompt=True)
+        self.embed = target.embed
+        self.cos, self.sin = target.rope_cos, target.rope_sin  # [S, D]
+        self.options = options
+        self.vocab_ids = head.target_ids.to(target.device)  # [N]
+        self.cache = HeadCache(head.config.num_kv_heads, head.config.head_dim, target.dtype, target.device)
+        self.length: dict[int, int] = {}  # row -> committed head entries
+        self.pending: dict[int, list[Tensor]] = {}  # row -> [P, taps * H] features not yet fed
+
+    @classmethod
+    def from_context(cls, options: EagleOptions, context: ProposerContext | None) -> "EagleProposer":
+        if context is None:
+            raise SpecdraftError("method 'eagle' needs the target model")
+        path = options.path or (shipped_heads("eagle", context.source) if context.source else None)
+        if not path:
+            raise SpecdraftError("method 'eagle' needs a trained head for this model: pass --opt path=DIR "
+                                 "(made by `specdraft train eagle`)")
+        return cls(load_eagle(path, context.target.config), context, options)
+
+    # -- row lifecycle -------------------------------------------------------------------------
+    def begin(self, row: int, seq: Sequence) -> None:
+        self.length[row] = 0
+        self.pending[row] = []
+
+    def prefilled(self, row: int, features: Features) -> None:
+        self.pending[row].append(self._taps(features.taps, slice(None)))
+
+    def observe(self, row: int, draft: Draft, acceptance: Acceptance, verified: Verified) -> None:
+        slots = torch.tensor([0, *(i + 1 for i in acceptance.path)], device=verified.hidden.device)
+        self.pending[row].append(self._taps(verified.taps, slots))
+
+    def end(self, row: int) -> None:
+        self.length.pop(row, None)
+        self.pending.pop(row, None)
+
+    def memory_bytes(self) -> int:
+        params = sum(p.numel() * p.element_size() for p in self.head.parameters())
+        return params + self.cache.k.numel() * self.cache.k.element_size() * 2
+
+    def _taps(self, taps: dict[int, Tensor], index: slice | Tensor) -> Tensor:
+        return torch.cat([taps[t][index] for t in self.head.config.taps], dim=-1)  # [P, taps * H]
+
+    # -- drafting --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, seqs: Seq[Sequence | None], budgets: Seq[int], cache: KVCache) -> list[Draft]:
+        drafts = [Draft.empty() for _ in seqs]
+        rows = [r for r, (s, b) in enumerate(zip(seqs, budgets))
+                if s is not None and b > 0 and self.pending.get(r)]
+        if not rows:
+            return drafts
+        depth = min(self.options.depth, max(budgets[r] for r in rows))
+        k = self.options.topk
+        state, logp = self._feed_pending(rows, [seqs[r] for r in rows], k * depth)  # [R, H], [R, N]
+        tokens, parents, scores = self._grow(rows, state, logp, depth, k)  # [R, M] each
+        for i, r in enumerate(rows):
+            drafts[r] = _best_tree(tokens[i], parents[i], scores[i], budgets[r])
+        return drafts
+
+    def _feed_pending(self, rows: list[int], seqs: list[Sequence], scratch: int) -> tuple[Tensor, Tensor]:
+        """Feed each row's exact entries (with room for ``scratch`` drafted ones after them);
+        return the anchor's state [R, H] and log-probs [R, N]."""
+        dev = self.head.fc.weight.device
+        feats = [torch.cat(self.pending[r]) for r in rows]  # [P_r, taps * H]
+        width = max(len(f) for f in feats)
+        starts = [self.length[r] for r in rows]
+        self.cache.ensure(max(rows) + 1, max(starts) + width + scratch + 1)
+        taps = torch.zeros(len(rows), width, feats[0].shape[-1], dtype=feats[0].dtype, device=dev)  # [R, P, taps*H]
+        ids = torch.zeros(len(rows), width, dtype=torch.long)  # [R, P]
+        for i, (f, s, seq) in enumerate(zip(feats, starts, seqs)):
+            taps[i, : len(f)] = f
+            ids[i, : len(f)] = torch.tensor(seq.tokens[s + 1 : s + 1 + len(f)])
+        slots = torch.tensor(starts, device=dev)[:, None] + torch.arange(width, device=dev)  # [R, P]
+        visible = torch.arange(int(slots.max()) + 1, device=dev)[None, None, :] <= slots[:, :, None]  # [R, P, S]
+        out = self._run(rows, ids.to(dev), self.head.fuse(taps), slots, slots, visible)  # [R, P, H]
+        last = torch.tensor([len(f) - 1 for f in feats], device=dev)
+        state = out[torch.arange(len(rows), device=dev), last]  # [R, H]
+        for r, f in zip(rows, feats):
+            self.length[r] += len(f)
+            self.pending[r] = []
+        return state, self.head.logits(state).log_softmax(-1)
+
+    def _run(self, rows: list[int], ids: Tensor, hidden: Tensor, positions: Tensor, slots: Tensor,
+             visible: Tensor) -> Tensor:
+        """One head step for every query: ids, positions, slots [R, Q]; hidden [R, Q, H]; visible [R, Q, S]."""
+        cos = self.cos[positions].unsqueeze(2).to(hidden.dtype)  # [R, Q, 1, D]
+        sin = self.sin[positions].unsqueeze(2).to(hidden.dtype)
+        row_ids = torch.tensor(rows, device=hidden.device)
+        attend = self.cache.attend(row_ids, slots, visible, self.head.config.group_size)
+        return self.head.layer(self.embed(ids), hidden, cos, sin, attend)
+
+    def _grow(self, rows: list[int], state: Tensor, logp: Tensor, depth: int, k: int
+              ) -> tuple[Tensor, Tensor, Tensor]:
+        """EAGLE-2's expansion. Returns every candidate node's target token, parent (-1: the
+        root) and cumulative log-probability: [R, M] each, parents before children."""
+        dev = state.device
+        r_n = len(rows)
+        top = logp.topk(k, dim=-1)  # [R, k]
+        tokens, parents, scores = [top.indices], [torch.full((r_n, k), -1, device=dev)], [top.values]
+        front = torch.arange(k, device=dev).expand(r_n, k)  # [R, k] frontier node ids
+        front_state = state[:, None].expand(r_n, k, -1)  # [R, k, H] the frontier's parents' states
+        base = torch.tensor([self.length[r] for r in rows], device=dev)  # [R] first scratch slot
+        prefix = torch.arange(int(base.max()) + k * depth, device=dev)[None, :] < base[:, None]  # [R, S]
+        seen = torch.zeros(r_n, k, prefix.shape[1], dtype=torch.bool, device=dev)  # [R, k, S] ancestors' slots
+        count = k
+        for d in range(1, depth):
+            slots = base[:, None] + (d - 1) * k + torch.arange(k, device=dev)  # [R, k]
+            seen = seen.clone()
+            seen.scatter_(2, slots[:, :, None], True)
+            ids = torch.cat(tokens, 1).gather(1, front)  # [R, k] draft ids of the frontier
+            positions = (base - 1 + d)[:, None].expand(r_n, k)  # [R, k]
+            out = self._run(rows, self.vocab_ids[ids], front_state, positions, slots, seen | prefix[:, None])
+            child = self.head.logits(out).log_softmax(-1).topk(k, dim=-1)  # [R, k, k]
+            cum = torch.cat(scores, 1).gather(1, front)[:, :, None] + child.values  # [R, k, k]
+            tokens.append(child.indices.flatten(1))
+            parents.append(front[:, :, None].expand(r_n, k, k).flatten(1))
+            scores.append(cum.flatten(1))
+            best = cum.flatten(1).topk(k, dim=-1).indices  # [R, k] into this depth's k*k children
+            front = count + best
+            front_state = out.gather(1, (best // k)[:, :, None].expand(-1, -1, out.shape[-1]))  # [R, k, H]
+            seen = seen.gather(1, (best // k)[:, :, None].expand(-1, -1, seen.shape[-1]))
+            count += k * k
+        ids = self.vocab_ids[torch.cat(tokens, 1)]  # [R, M] target ids
+        return ids.cpu(), torch.cat(parents, 1).cpu(), torch.cat(scores, 1).float().cpu()
+
+
+def _best_tree(tokens: Tensor, parents: Tensor, scores: Tensor, budget: int) -> Draft:
+    """The ``budget`` nodes of highest score (ties: earlier first), in creation order. A child
+    scores at most its parent and comes later, so the chosen set holds every chosen node's
+    parent. tokens, parents, scores: [M]."""
+    order = sorted(range(len(tokens)), key=lambda i: (-float(scores[i]), i))[:budget]
+    keep = sorted(order)
+    index = {old: new for new, old in enumerate(keep)}
+    toks = [int(tokens[i]) for i in keep]
+    pars = [-1 if int(parents[i]) < 0 else index[int(parents[i])] for i in keep]
+    return Draft(tuple(toks), tuple(pars), label="eagle")

@@ -1,0 +1,193 @@
+"""EAGLE-3 heads: the training-time test computes what drafting computes (chains and every
+path of a dynamic tree), checkpoints round-trip in the EAGLE-3 layout and bad ones are refused
+in one line, greedy output equals plain decoding, and sampled dynamic trees are lossless."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+from specdraft.engine import Engine
+from specdraft.errors import ModelFileError, SpecdraftError
+from specdraft.heads.eagle import EagleConfig, EagleHead, eagle3_taps, ttt_inputs
+from specdraft.heads.eagle_checkpoint import load_eagle, save_eagle
+from specdraft.heads.vocab import DraftVocab
+from specdraft.metrics import SpecStats
+from specdraft.model.loader import LoadedModel, load
+from specdraft.policy import Policy, PolicyConfig
+from specdraft.proposers import make_proposer
+from specdraft.proposers.base import ProposerContext
+from specdraft.proposers.eagle import EagleOptions, EagleProposer
+from specdraft.sequence import GenerationConfig, Sequence
+from test_accept import check_siblings_lossless, sibling_setup  # noqa: F401  (a fixture)
+from test_spec_engine import cost_table
+
+GEN = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_hf: Path) -> LoadedModel:
+    return load(tiny_hf)
+
+
+def random_head(loaded: LoadedModel, draft_vocab: int = 200, seed: int = 0, scale: float = 0.3) -> EagleHead:
+    c = loaded.config
+    torch.manual_seed(seed)
+    head = EagleHead(EagleConfig.for_target(c, draft_vocab), DraftVocab(torch.arange(draft_vocab), c.vocab_size))
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.ndim == 2:
+                p.normal_(0, scale / p.shape[1] ** 0.5)
+        head.lm_head.weight.copy_(loaded.model.lm_head.weight[:draft_vocab] * 3)
+    return head
+
+
+def context(loaded: LoadedModel) -> ProposerContext:
+    return ProposerContext(loaded.model, loaded.tokenizer)
+
+
+def prompts(loaded: LoadedModel) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [loaded.tokenizer.encode("a b a b a b"), torch.randint(3, 300, (17,), generator=g).tolist(),
+            torch.randint(3, 300, (3,), generator=g).tolist()]
+
+
+def test_eagle3_layer_choice() -> None:
+    assert eagle3_taps(30) == (2, 15, 27) and eagle3_taps(4) == (2, 2, 1)
+
+
+@torch.inference_mode()
+def _ttt_logp(loaded: LoadedModel, head: EagleHead, tokens: list[int], anchor: int, steps: int) -> list[Tensor]:
+    """The training-time test's log-probs [N] at ``anchor`` for steps 1..steps, over ``tokens``."""
+    model = loaded.model
+    t = anchor + 1
+    out = model(torch.tensor([tokens[:t]]), torch.arange(t)[None], model.new_cache(1, t), logits=False,
+                return_hidden=head.config.taps)
+    taps = torch.cat([out.hidden[i] for i in head.config.taps], -1)  # [1, t, taps*H]
+    ids = torch.tensor([(tokens + [0] * steps)[: t + steps]])  # [1, t + steps]
+    emb, cos, sin = ttt_inputs(model.embed, ids, model.rope_cos, model.rope_sin, steps, torch.float32)
+    states = head.ttt(taps, emb, cos, sin, steps)
+    return [head.logits(s[0, anchor]).log_softmax(-1) for s in states]
+
+
+@pytest.mark.parametrize("topk", [1, 3], ids=["chain", "tree"])
+def test_drafting_computes_what_the_training_time_test_trains(tiny: LoadedModel, topk: int) -> None:
+    """Every node's score is its path's cumulative log-probability under the training-time
+    test with that path as the tokens: the tree's attention mask, positions, the head's cache
+    and the state hand-over are those training sees."""
+    head = random_head(tiny)
+    proposer = EagleProposer(head, context(tiny), EagleOptions(depth=3, topk=topk))
+    prompt = prompts(tiny)[1]
+    seq = Sequence(prompt, GEN, tiny.tokenizer, capacity=64)
+    m = tiny.model
+    with torch.inference_mode():
+        proposer.begin(0, seq)
+        out = m(torch.tensor([prompt]), torch.arange(len(prompt))[None], m.new_cache(1, len(prompt)),
+                return_hidden=head.config.taps)
+        proposer.prefilled(0, _features(out, head))
+        seq.append([int(out.logits[0, -1].argmax())])
+        state, logp = proposer._feed_pending([0], [seq], 9 * 3)
+        tokens, parents, scores = proposer._grow([0], state, logp, 3, topk)
+    assert tokens.shape[1] == topk + 2 * topk * topk
+    for node in range(tokens.shape[1]):
+        path = [node]
+        while int(parents[0, path[-1]]) >= 0:
+            path.append(int(parents[0, path[-1]]))
+        path.reverse()
+        walk = seq.tokens + [int(tokens[0, i]) for i in path]
+        steps = _ttt_logp(tiny, head, walk, len(prompt) - 1, len(path))
+        want = sum(float(steps[d][head.vocab.to_draft(torch.tensor(walk[len(prompt) + 1 + d]))]) for d in range(len(path)))
+        assert abs(float(scores[0, node]) - want) < 1e-4, (node, path)
+
+
+def _features(out, head: EagleHead):  # type: ignore[no-untyped-def]
+    from specdraft.proposers.base import Features
+
+    return Features(out.last_hidden[0], {i: out.hidden[i][0] for i in head.config.taps})
+
+
+def test_checkpoints_round_trip_in_the_eagle3_layout_and_bad_ones_are_refused(tiny: LoadedModel,
+                                                                               tmp_path: Path) -> None:
+    head = random_head(tiny)
+    folder = save_eagle(head, tmp_path / "head", tiny.config, "tiny")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 200
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(head.config.taps)
+    from safetensors.torch import load_file
+
+    keys = set(load_file(str(folder / "model.safetensors")))
+    assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.hidden_norm.weight", "norm.weight",
+            "lm_head.weight", "d2t", "t2d"} <= keys
+    again = load_eagle(folder, tiny.config)
+    x = torch.randn(2, 5, tiny.config.hidden_size)
+    assert torch.equal(again.logits(x), head.logits(x)) and torch.equal(again.target_ids, head.target_ids)
+    import dataclasses
+
+    for change, needle in (({"hidden_size": 32}, "hidden size 64"), ({"vocab_size": 999}, "320 tokens"),
+                           ({"num_layers": 7}, f"{tiny.config.num_layers} layers")):
+        other = dataclasses.replace(tiny.config, **change)
+        with pytest.raises(ModelFileError, match=needle) as e:
+            load_eagle(folder, other)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ModelFileError, match="no head"):
+        load_eagle(tmp_path / "nowhere", tiny.config)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ModelFileError, match="corrupt or truncated"):
+        load_eagle(folder, tiny.config)
+    with pytest.raises(SpecdraftError, match="needs a trained head"):
+        make_proposer("eagle", {}, context(tiny))
+
+
+@pytest.mark.parametrize("topk", [1, 3], ids=["chain", "tree"])
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_greedy_output_equals_plain(tiny: LoadedModel, topk: int, policy: str) -> None:
+    batch = prompts(tiny)
+    plain = Engine(tiny.model, tiny.tokenizer).generate(batch, GEN)
+    cost = cost_table(len(batch)) if policy == "adaptive" else None
+    policy_ = Policy(PolicyConfig(kind=policy, k=6, objective="throughput", stop_after=10**6), cost)
+    proposer = EagleProposer(random_head(tiny), context(tiny), EagleOptions(depth=4, topk=topk))
+    stats = SpecStats()
+    got = Engine(tiny.model, tiny.tokenizer, proposer, policy_).generate(batch, GEN, stats=stats)
+    assert [r.tokens for r in got] == [r.tokens for r in plain]
+    assert stats.proposed > 0
+
+
+class _BigramHead(EagleHead):
+    """A head whose state is its input token's embedding and whose log-probs are the target's
+    next-token distribution after the shared prompt given that token (``p2``): its dynamic
+    tree's first level is the three likeliest second tokens, the deterministic top k."""
+
+    def __init__(self, base: EagleHead, embed: Tensor, p2: Tensor) -> None:
+        super().__init__(base.config, base.vocab)
+        self.table, self.embed_rows = p2.clamp_min(1e-9).log(), embed
+
+    def layer(self, emb, hidden, cos, sin, attend):  # type: ignore[no-untyped-def]
+        b, t, h = emb.shape
+        q = torch.zeros(b, self.config.num_heads, t, self.config.head_dim)
+        kv = torch.zeros(b, self.config.num_kv_heads, t, self.config.head_dim)
+        attend(q, kv, kv)  # keep the cache's bookkeeping
+        return emb.float()
+
+    def logits(self, prenorm: Tensor) -> Tensor:
+        ids = (prenorm[..., None, :] == self.embed_rows).all(-1).float().argmax(-1)  # [...] the token
+        return self.table[ids]
+
+
+def test_sampled_dynamic_trees_are_lossless(sibling_setup, monkeypatch: pytest.MonkeyPatch, tiny: LoadedModel) -> None:  # noqa: F811
+    model, tokenizer, prompt, p1, p2 = sibling_setup[:5]
+    c = model.config
+    base = EagleHead(EagleConfig.for_target(c, c.vocab_size), DraftVocab(torch.arange(c.vocab_size), c.vocab_size))
+    head = _BigramHead(base, model.embed.weight.float(), p2)
+
+    def make(depth: int, topk: int):  # type: ignore[no-untyped-def]
+        return lambda m, t: EagleProposer(head, ProposerContext(m, t), EagleOptions(depth=depth, topk=topk))
+
+    # one level of four siblings: later siblings are accepted often enough that a sampler
+    # skipping the residual between them is caught; then a deeper dynamic tree, exact too
+    check_siblings_lossless(sibling_setup, make(1, 4), 4, monkeypatch)
+    check_siblings_lossless(sibling_setup, make(3, 2), 4, monkeypatch, catches_the_bug=False)
