@@ -253,7 +253,8 @@ def test_medusa_training_learns_saves_resumes_and_refuses_other_settings(
 
     from specdraft.proposers import make_proposer
     from specdraft.proposers.base import ProposerContext
-    from specdraft.train.medusa import CHECKPOINT, MedusaTrainConfig, evaluate, train_medusa
+    from specdraft.train.common import CHECKPOINT
+    from specdraft.train.medusa import MedusaTrainConfig, evaluate, train_medusa
     from specdraft.train.teacher import TeacherConfig, teacher_batches
 
     data = tmp_path / "data"
@@ -279,3 +280,46 @@ def test_medusa_training_learns_saves_resumes_and_refuses_other_settings(
     with pytest.raises(SpecdraftError, match="other settings"):
         train_medusa(tiny, data, out, MedusaTrainConfig(heads=3, draft_vocab=64, epochs=3))
     assert main(["train", "medusa", "--data", str(tmp_path / "nowhere"), "--out", str(out)]) == 2
+
+
+# =========================================================================== training an EAGLE-3 head
+
+
+def test_eagle_training_learns_saves_resumes_and_refuses_other_settings(
+        tiny: LoadedModel, train_folder: Path, tmp_path: Path) -> None:
+    import torch
+
+    from specdraft.heads.eagle import EagleConfig, EagleHead
+    from specdraft.proposers import make_proposer
+    from specdraft.proposers.base import ProposerContext
+    from specdraft.train.common import CHECKPOINT, TeacherCache
+    from specdraft.train.eagle import EagleTrainConfig, evaluate, train_eagle
+    from specdraft.train.teacher import TeacherConfig, length_batches
+
+    data = tmp_path / "data"
+    prompts = [TrainPrompt(f"p/{i}", "p", f"Say {i} twice. " * (1 + i % 3), None) for i in range(80)]
+    generate_data(tiny, prompts, data, DataConfig(max_new_tokens=24, temperatures=(0.0,), batch_size=8))
+    out = tmp_path / "eagle"
+    cfg = EagleTrainConfig(draft_vocab=64, steps=3, epochs=3, lr=3e-3, batch_tokens=512, checkpoint_every=2,
+                           eval_steps=3)
+    stopped = train_eagle(tiny, data, out, EagleTrainConfig(**{**cfg.key(), "time_budget_s": 0.0}))
+    assert stopped.positions == 0 and (out / CHECKPOINT).is_file()  # interrupted at once, with a checkpoint
+    result = train_eagle(tiny, data, out, cfg)  # resumes and finishes
+    assert result.positions > 0 and len(result.accept) == 3 and result.tau >= 1.0
+    head = make_proposer("eagle", {"path": str(out)}, ProposerContext(tiny.model, tiny.tokenizer)).head.float()
+    # the trained head beats an untrained one (same vocabulary) on the training answers
+    from specdraft.train.common import splits
+
+    pairs, _, _ = splits(data, None)
+    teacher = TeacherConfig(taps=head.config.taps, top_k=8, batch_tokens=512)
+    batches = list(TeacherCache(tiny, pairs, teacher).all(length_batches([len(p) + len(a) for p, a in pairs], 512)))
+    torch.manual_seed(0)
+    start = EagleHead(EagleConfig.for_target(tiny.config, 64), head.vocab)
+    with torch.no_grad():
+        start.lm_head.weight.copy_(tiny.model.lm_head.weight[head.target_ids])
+    trained = evaluate(head, tiny, batches, 3)
+    assert trained.tau > evaluate(start, tiny, batches, 3).tau + 0.1
+    with pytest.raises(SpecdraftError, match="other settings"):
+        train_eagle(tiny, data, out, EagleTrainConfig(draft_vocab=64, steps=2, epochs=3))
+    assert main(["train", "eagle", "--data", str(tmp_path / "nowhere"), "--out", str(out)]) == 2
+    assert main(["train", "eagle", "--data", str(data), "--out", str(out), "--taps", "a,b"]) == 2

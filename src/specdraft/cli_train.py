@@ -63,6 +63,25 @@ def add_train_commands(sub: argparse._SubParsersAction, add_model_options) -> No
     m.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
     add_model_options(m)
     m.set_defaults(func=cmd_train_medusa)
+    e = actions.add_parser("eagle", help="train an EAGLE-3 head on the target's own answers (resumable)",
+                           description="One decoder layer over the target's fused low/mid/high features learns the "
+                                       "target's own next-token distribution with EAGLE-3's training-time test (fed its "
+                                       "own states for --steps steps). The held-out acceptance per draft position and "
+                                       "tau are printed at the end; the head is saved in the EAGLE-3 layout that "
+                                       "SGLang and vLLM load. Rerun the same command to resume after an interrupt.")
+    e.add_argument("--data", required=True, metavar="DIR", help="a folder written by `specdraft train data`")
+    e.add_argument("--out", required=True, metavar="DIR", help="output folder (checkpoint, then config.json + model.safetensors)")
+    e.add_argument("--draft-vocab", type=int, default=4096, help="reduced vocabulary size (default: 4096)")
+    e.add_argument("--steps", type=int, default=4, help="training-time test steps (default: 4)")
+    e.add_argument("--taps", default="", help="comma-separated target layers to fuse (default: EAGLE-3's 2, L/2, L-3)")
+    e.add_argument("--epochs", type=int, default=1, help="passes over the train split (default: 1)")
+    e.add_argument("--lr", type=float, default=5e-4, help="AdamW learning rate (default: 0.0005)")
+    e.add_argument("--limit", type=int, default=None, help="train answers used (default: all)")
+    e.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per batch (default: 2048)")
+    e.add_argument("--time-budget", type=float, default=None, metavar="SECONDS", help="stop with a checkpoint after this long")
+    e.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
+    add_model_options(e)
+    e.set_defaults(func=cmd_train_eagle)
     s = actions.add_parser("summary", help="count the prompts and tokens of a data folder")
     s.add_argument("folder", help="a folder written by `specdraft train data`")
     s.set_defaults(func=cmd_train_summary)
@@ -85,8 +104,6 @@ def cmd_train_data(args: argparse.Namespace) -> int:
                      seed=args.seed, limit=args.limit, time_budget_s=args.time_budget, splits=splits)
     sources = tuple(s.strip() for s in args.sources.split(",")) if args.sources else None
     prompts = load_training_prompts(args.prompts, sources)
-    if args.threads is not None and args.threads < 1:
-        raise SpecdraftError(f"--threads must be >= 1, got {args.threads}")
     set_threads(args.threads)
     loaded = load(args.model, dtype=args.dtype, device=args.device, batch_invariant=args.batch_invariant)
     report = generate_data(loaded, prompts, args.out, cfg, dtype=args.dtype)
@@ -129,17 +146,34 @@ def cmd_train_vocab(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_train_medusa(args: argparse.Namespace) -> int:
+def _teacher(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from specdraft.model.loader import load, set_threads
+
+    set_threads(args.threads)
+    return load(args.model, dtype=args.dtype, device=args.device)
+
+
+def cmd_train_medusa(args: argparse.Namespace) -> int:
     from specdraft.train.medusa import MedusaTrainConfig, train_medusa
 
     cfg = MedusaTrainConfig(heads=args.heads, draft_vocab=args.draft_vocab, epochs=args.epochs, lr=args.lr,
                             batch_tokens=args.batch_tokens, seed=args.seed, limit=args.limit,
                             time_budget_s=args.time_budget)
-    if args.threads is not None and args.threads < 1:
-        raise SpecdraftError(f"--threads must be >= 1, got {args.threads}")
-    set_threads(args.threads)
-    loaded = load(args.model, dtype=args.dtype, device=args.device)
-    result = train_medusa(loaded, args.data, args.out, cfg)
+    result = train_medusa(_teacher(args), args.data, args.out, cfg)
     print(f"train medusa: {result.line()} -> {args.out}")
+    return 0
+
+
+def cmd_train_eagle(args: argparse.Namespace) -> int:
+    from specdraft.train.eagle import EagleTrainConfig, train_eagle
+
+    try:
+        taps = tuple(int(t) for t in args.taps.split(",") if t.strip())
+    except ValueError:
+        raise SpecdraftError(f"--taps must be comma-separated layer numbers, got {args.taps!r}") from None
+    cfg = EagleTrainConfig(draft_vocab=args.draft_vocab, steps=args.steps, taps=taps, epochs=args.epochs, lr=args.lr,
+                           batch_tokens=args.batch_tokens, seed=args.seed, limit=args.limit,
+                           time_budget_s=args.time_budget)
+    result = train_eagle(_teacher(args), args.data, args.out, cfg)
+    print(f"train eagle: {result.line()} -> {args.out}")
     return 0

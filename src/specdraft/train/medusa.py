@@ -18,8 +18,6 @@ same command continues from it (other settings are refused). The finished heads 
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import sys
 import time
@@ -29,18 +27,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
 from specdraft.errors import SpecdraftError
 from specdraft.heads.medusa import MedusaConfig, MedusaHeads, save_medusa
 from specdraft.model.loader import LoadedModel
-from specdraft.train.data import read_shards
-from specdraft.train.teacher import TeacherBatch, TeacherConfig, length_batches, teacher_batches
-from specdraft.train.vocab import most_frequent, token_counts
-
-CHECKPOINT = "checkpoint.pt"
+from specdraft.train.common import (TeacherCache, draft_index, draft_vocabulary, resume, save_checkpoint,
+                                    soft_cross_entropy, splits)
+from specdraft.train.teacher import TeacherBatch, TeacherConfig, length_batches
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,25 +87,19 @@ def head_targets(batch: TeacherBatch, k: int) -> tuple[Tensor, Tensor, Tensor]:
     return mask & batch.answer, ids, probs
 
 
-def medusa_loss(heads: MedusaHeads, batch: TeacherBatch) -> tuple[Tensor, list[tuple[int, int]]]:
+def medusa_loss(heads: MedusaHeads, batch: TeacherBatch, to_draft: Tensor) -> tuple[Tensor, list[tuple[int, int]]]:
     """Soft cross-entropy of every head against the target's distribution k tokens later
     (renormalised over the draft vocabulary), averaged over heads; and per head (right, total)
     of its top guess against the target's greedy token."""
-    logits = heads(batch.last_hidden.clone())  # [B, T, K, N] (clone: the teacher's tensors are inference-mode)
-    to_draft = torch.full((heads.config.target_vocab,), -1, dtype=torch.long)
-    to_draft[heads.target_ids] = torch.arange(heads.config.draft_vocab)
+    logits = heads(batch.last_hidden.float())  # [B, T, K, N]
     losses, counts = [], []
     for k in range(1, heads.config.heads + 1):
         mask, ids, probs = head_targets(batch, k)
         if not bool(mask.any()):
             counts.append((0, 0))
             continue
-        lk = logits[:, :, k - 1][mask].float()  # [P, N]
-        draft_ids = to_draft[ids[mask]]  # [P, s], -1 outside the draft vocabulary
-        p = probs[mask] * (draft_ids >= 0)  # [P, s]
-        keep = p.sum(-1) > 0
-        logp = lk.log_softmax(-1).gather(-1, draft_ids.clamp_min(0))  # [P, s]
-        losses.append(-((p[keep] / p[keep].sum(-1, keepdim=True)) * logp[keep]).sum(-1).mean())
+        lk = logits[:, :, k - 1][mask]  # [P, N]
+        losses.append(soft_cross_entropy(lk, ids[mask].long(), probs[mask], to_draft))
         guess = heads.target_ids[lk.argmax(-1)]  # [P] target ids
         counts.append((int((guess == ids[mask][:, 0]).sum()), int(mask.sum())))
     return torch.stack(losses).mean() if losses else logits.sum() * 0, counts
@@ -124,8 +113,8 @@ def evaluate(heads: MedusaHeads, model_batches: Seq[TeacherBatch]) -> HeldOut:
     total = 0
     lead_sum = 0
     for batch in model_batches:
-        guesses = heads.target_ids[heads(batch.last_hidden).argmax(-1)]  # [B, T, K]
-        greedy = batch.top_ids[..., 0]  # [B, T]
+        guesses = heads.target_ids[heads(batch.last_hidden.float()).argmax(-1)]  # [B, T, K]
+        greedy = batch.top_ids[..., 0].long()  # [B, T]
         ok = torch.zeros(*greedy.shape, K, dtype=torch.bool)
         for k in range(1, K + 1):
             ok[:, : -k or None, k - 1] = guesses[:, : -k or None, k - 1] == greedy[:, k:]
@@ -141,45 +130,36 @@ def evaluate(heads: MedusaHeads, model_batches: Seq[TeacherBatch]) -> HeldOut:
     return HeldOut(total, [r / total for r in right], 1.0 + lead_sum / total)
 
 
-def _pairs(records: Seq[dict[str, Any]]) -> list[tuple[list[int], list[int]]]:
-    return [(r["prompt"], r["response"]) for r in records if r["response"]]
-
-
 def train_medusa(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: MedusaTrainConfig,
                  log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> HeldOut:
     """Train (or resume) Medusa heads for ``loaded`` on the data folder; see the module doc."""
-    records = read_shards(Path(data))
-    train = [r for r in records if r["split"] == "train"][: cfg.limit]
-    held = [r for r in records if r["split"] == "validation" and r["temperature"] == 0]  # greedy: exact measure
-    if not train or not held:
-        raise SpecdraftError(f"{data}: need answers in both splits (train {len(train)}, validation {len(held)}); "
-                             f"make more with `specdraft train data`")
+    pairs, held, train_records = splits(data, cfg.limit)
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     model, c = loaded.model, loaded.config
     torch.manual_seed(cfg.seed)
-    vocab = most_frequent(token_counts((r["response"] for r in train), c.vocab_size), cfg.draft_vocab,
-                          always=(loaded.tokenizer.eos_id,) if loaded.tokenizer.eos_id is not None else ())
+    vocab = draft_vocabulary(loaded, train_records, cfg.draft_vocab)
     heads = MedusaHeads.from_target(MedusaConfig(cfg.heads, c.hidden_size, cfg.draft_vocab, c.vocab_size), vocab,
                                     model.lm_head.weight.detach().float())
     opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr)
-    progress = _resume(folder, cfg, heads, opt)
+    progress = resume(folder, cfg.key(), heads, opt, {"epoch": 0, "batch": 0})
     teacher = TeacherConfig(top_k=cfg.soft_top_k, batch_tokens=cfg.batch_tokens, max_len=cfg.max_len)
-    pairs = _pairs(train)
+    cache = TeacherCache(loaded, pairs, teacher, keep=cfg.epochs > 1)
+    to_draft = draft_index(vocab)
     t0 = time.perf_counter()
+    groups = length_batches([len(p) + len(a) for p, a in pairs], cfg.batch_tokens)
     for epoch in range(progress["epoch"], cfg.epochs):
-        groups = length_batches([len(p) + len(a) for p, a in pairs], cfg.batch_tokens)
-        random.Random(cfg.seed + epoch).shuffle(groups)
-        bar = tqdm(total=len(groups), initial=progress["batch"], desc=f"medusa epoch {epoch + 1}/{cfg.epochs}",
+        order = list(groups)
+        random.Random(cfg.seed + epoch).shuffle(order)
+        bar = tqdm(total=len(order), initial=progress["batch"], desc=f"medusa epoch {epoch + 1}/{cfg.epochs}",
                    unit="batch", file=sys.stderr)
-        for b in range(progress["batch"], len(groups)):
+        for b in range(progress["batch"], len(order)):
             if cfg.time_budget_s is not None and time.perf_counter() - t0 > cfg.time_budget_s:
-                _save_checkpoint(folder, cfg, heads, opt, {"epoch": epoch, "batch": b})
+                save_checkpoint(folder, cfg.key(), heads, opt, {"epoch": epoch, "batch": b})
                 bar.close()
                 log(f"medusa: time budget reached at epoch {epoch + 1}, batch {b}; rerun to resume")
                 return HeldOut()
-            [(_, batch)] = list(teacher_batches(model, [pairs[i] for i in groups[b]], _one_batch(teacher)))
-            loss, counts = medusa_loss(heads, batch)
+            loss, counts = medusa_loss(heads, cache.batch(order[b]), to_draft)
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -187,40 +167,14 @@ def train_medusa(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: Me
             bar.set_postfix(loss=f"{float(loss.detach()):.3f}", head1=f"{acc:.0%}")
             bar.update(1)
             if (b + 1) % cfg.checkpoint_every == 0:
-                _save_checkpoint(folder, cfg, heads, opt, {"epoch": epoch, "batch": b + 1})
+                save_checkpoint(folder, cfg.key(), heads, opt, {"epoch": epoch, "batch": b + 1})
         bar.close()
         progress = {"epoch": epoch + 1, "batch": 0}
-        _save_checkpoint(folder, cfg, heads, opt, progress)
-    result = evaluate(heads, [b for _, b in teacher_batches(model, _pairs(held), teacher)])
+        save_checkpoint(folder, cfg.key(), heads, opt, progress)
+    held_cache = TeacherCache(loaded, held, teacher, keep=False)
+    result = evaluate(heads, list(held_cache.all(length_batches([len(p) + len(a) for p, a in held], cfg.batch_tokens))))
     log(f"medusa: {result.line()}")
     save_medusa(heads, folder, target=loaded.source.name,
                 extra={"training": cfg.key(), "held_out": {"tau": result.tau, "head_accuracy": result.head_accuracy,
                                                            "positions": result.positions}})
     return result
-
-
-def _one_batch(cfg: TeacherConfig) -> TeacherConfig:
-    """The teacher config for one group that is already a batch (no further splitting)."""
-    return TeacherConfig(taps=cfg.taps, top_k=cfg.top_k, batch_tokens=10**9, max_len=cfg.max_len)
-
-
-def _save_checkpoint(folder: Path, cfg: MedusaTrainConfig, heads: MedusaHeads, opt: torch.optim.Optimizer,
-                     progress: dict[str, int]) -> None:
-    tmp = folder / (CHECKPOINT + ".tmp")
-    torch.save({"config": cfg.key(), "heads": heads.state_dict(), "opt": opt.state_dict(), "progress": progress}, tmp)
-    os.replace(tmp, folder / CHECKPOINT)
-
-
-def _resume(folder: Path, cfg: MedusaTrainConfig, heads: MedusaHeads, opt: torch.optim.Optimizer) -> dict[str, int]:
-    path = folder / CHECKPOINT
-    if not path.is_file():
-        return {"epoch": 0, "batch": 0}
-    try:
-        state = torch.load(path, weights_only=True)
-    except Exception as e:  # noqa: BLE001  (torch raises many kinds for a damaged file)
-        raise SpecdraftError(f"{path} is corrupt ({type(e).__name__}); delete it to start again") from None
-    if state.get("config") != json.loads(json.dumps(cfg.key())):
-        raise SpecdraftError(f"{path} was made with other settings; use another --out or the same settings")
-    heads.load_state_dict(state["heads"])
-    opt.load_state_dict(state["opt"])
-    return dict(state["progress"])

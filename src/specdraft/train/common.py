@@ -1,0 +1,120 @@
+"""What every head's training shares: the splits, the draft vocabulary, the soft label loss,
+a cache of the teacher's outputs across epochs, and resumable checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence as Seq
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from specdraft.errors import SpecdraftError
+from specdraft.heads.vocab import DraftVocab
+from specdraft.model.loader import LoadedModel
+from specdraft.train.data import read_shards
+from specdraft.train.teacher import TeacherBatch, TeacherConfig, teacher_batches
+from specdraft.train.vocab import most_frequent, token_counts
+
+CHECKPOINT = "checkpoint.pt"
+Pair = tuple[list[int], list[int]]
+
+
+def splits(data: str | Path, limit: int | None) -> tuple[list[Pair], list[Pair], list[dict[str, Any]]]:
+    """(train pairs, held-out greedy pairs, train records) of a ``specdraft train data`` folder.
+    Held-out answers are the greedy ones of the validation split: the exact measure."""
+    records = read_shards(Path(data))
+    train = [r for r in records if r["split"] == "train" and r["response"]][:limit]
+    held = [r for r in records if r["split"] == "validation" and r["temperature"] == 0 and r["response"]]
+    if not train or not held:
+        raise SpecdraftError(f"{data}: need answers in both splits (train {len(train)}, validation {len(held)}); "
+                             f"make more with `specdraft train data`")
+    return [(r["prompt"], r["response"]) for r in train], [(r["prompt"], r["response"]) for r in held], train
+
+
+def draft_vocabulary(loaded: LoadedModel, train: Seq[dict[str, Any]], size: int) -> DraftVocab:
+    """The ``size`` most frequent tokens of the train answers (and the EOS token)."""
+    eos = loaded.tokenizer.eos_id
+    counts = token_counts((r["response"] for r in train), loaded.config.vocab_size)
+    return most_frequent(counts, size, always=(eos,) if eos is not None else ())
+
+
+def draft_index(vocab: DraftVocab) -> Tensor:
+    """[V] int64: target id -> draft id, -1 outside the draft vocabulary."""
+    return vocab.to_draft(torch.arange(vocab.target_size))
+
+
+def soft_cross_entropy(logits: Tensor, ids: Tensor, probs: Tensor, to_draft: Tensor) -> Tensor:
+    """Cross-entropy of draft logits [P, N] against the target's top-s distribution (ids,
+    probs [P, s], target ids), renormalised over the draft vocabulary; positions whose top s
+    lie wholly outside it are left out. Returns a scalar (0 when none remain)."""
+    draft_ids = to_draft[ids]  # [P, s], -1 outside
+    p = probs.float() * (draft_ids >= 0)
+    keep = p.sum(-1) > 0
+    if not bool(keep.any()):
+        return logits.sum() * 0
+    logp = logits.float().log_softmax(-1).gather(-1, draft_ids.clamp_min(0))  # [P, s]
+    target = p[keep] / p[keep].sum(-1, keepdim=True)
+    return -(target * logp[keep]).sum(-1).mean()
+
+
+class TeacherCache:
+    """The teacher's batches for fixed groups of sequences, computed on first use and kept in
+    memory (compactly) for later epochs when ``keep``."""
+
+    def __init__(self, loaded: LoadedModel, pairs: Seq[Pair], cfg: TeacherConfig, keep: bool = True) -> None:
+        self.loaded, self.pairs, self.cfg, self.keep = loaded, pairs, cfg, keep
+        self.cfg_one = TeacherConfig(taps=cfg.taps, top_k=cfg.top_k, batch_tokens=10**9, max_len=cfg.max_len)
+        self.store: dict[tuple[int, ...], TeacherBatch] = {}
+
+    def batch(self, group: Seq[int]) -> TeacherBatch:
+        key = tuple(group)
+        if key in self.store:
+            return self.store[key]
+        [(_, b)] = list(teacher_batches(self.loaded.model, [self.pairs[i] for i in group], self.cfg_one))
+        b = _compact(b)
+        if self.keep:
+            self.store[key] = b
+        return b
+
+    def all(self, groups: Seq[Seq[int]]) -> Iterator[TeacherBatch]:
+        for g in groups:
+            yield self.batch(g)
+
+
+def _compact(b: TeacherBatch) -> TeacherBatch:
+    """bfloat16 states, float16 probabilities, int32 ids: about half the memory."""
+    half = torch.bfloat16
+    return TeacherBatch(b.tokens, b.lengths, b.answer, b.last_hidden.to(half),
+                        {i: t.to(half) for i, t in b.taps.items()},
+                        None if b.top_ids is None else b.top_ids.to(torch.int32),
+                        None if b.top_probs is None else b.top_probs.to(torch.float16))
+
+
+def save_checkpoint(folder: Path, key: dict[str, Any], module: nn.Module, opt: torch.optim.Optimizer,
+                    progress: dict[str, Any]) -> None:
+    """Write the module, optimizer and progress atomically (a crash leaves the last one)."""
+    tmp = folder / (CHECKPOINT + ".tmp")
+    torch.save({"config": json.loads(json.dumps(key)), "module": module.state_dict(), "opt": opt.state_dict(), "progress": progress}, tmp)
+    os.replace(tmp, folder / CHECKPOINT)
+
+
+def resume(folder: Path, key: dict[str, Any], module: nn.Module, opt: torch.optim.Optimizer,
+           start: dict[str, Any]) -> dict[str, Any]:
+    """Load ``folder``'s checkpoint into module and optimizer and return its progress (``start``
+    when there is none); refused in one line when corrupt or made with other settings."""
+    path = folder / CHECKPOINT
+    if not path.is_file():
+        return dict(start)
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as e:  # noqa: BLE001  (torch raises many kinds for a damaged file)
+        raise SpecdraftError(f"{path} is corrupt ({type(e).__name__}); delete it to start again") from None
+    if state.get("config") != json.loads(json.dumps(key)):
+        raise SpecdraftError(f"{path} was made with other settings; use another --out or the same settings")
+    module.load_state_dict(state["module"])
+    opt.load_state_dict(state["opt"])
+    return dict(state["progress"])

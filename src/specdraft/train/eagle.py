@@ -1,0 +1,196 @@
+"""Training an EAGLE-3 head on the target's own answers (``specdraft train eagle``).
+
+Each training sequence (prompt + the target's answer, from ``specdraft train data``) goes
+through the target once (:mod:`.teacher`, kept in memory for later epochs): its taps at the
+head's layers and its next-token distribution (top ``soft_top_k``) at every position. The
+head then runs the training-time test (``EagleHead.ttt``): ``steps`` draft steps from every
+position at once, each fed its own state of the step before; step k from anchor p learns the
+target's distribution at p + k (renormalised over the draft vocabulary), weighted
+``step_decay ** (k - 1)``.
+
+Held-out measure (the validation split's greedy answers, never trained on): the chain a
+greedy head drafts from each answer position, ``eval_steps`` long; per position, how often
+step k is right given steps 1..k-1 were (the acceptance per draft position), and tau, 1 + the
+mean number of leading right steps (greedy chain tokens per target pass).
+
+Resumable like every head's training (:mod:`.common`); the finished head is saved in the
+EAGLE-3 layout (:mod:`specdraft.heads.eagle_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence as Seq
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from specdraft.errors import SpecdraftError
+from specdraft.heads.eagle import EagleConfig, EagleHead, ttt_inputs
+from specdraft.heads.eagle_checkpoint import save_eagle
+from specdraft.model.loader import LoadedModel
+from specdraft.train.common import (TeacherCache, draft_index, draft_vocabulary, resume, save_checkpoint,
+                                    soft_cross_entropy, splits)
+from specdraft.train.teacher import TeacherBatch, TeacherConfig, length_batches
+
+
+@dataclass(frozen=True, slots=True)
+class EagleTrainConfig:
+    draft_vocab: int = 4096
+    steps: int = 4  # training-time test length
+    step_decay: float = 0.8
+    epochs: int = 1
+    lr: float = 5e-4
+    soft_top_k: int = 8
+    batch_tokens: int = 2048
+    max_len: int = 768
+    seed: int = 0
+    taps: tuple[int, ...] = ()  # () = EAGLE-3's choice for the target
+    eval_steps: int = 6
+    checkpoint_every: int = 20  # batches
+    limit: int | None = None  # train records used (None: all)
+    time_budget_s: float | None = None  # stop (with a checkpoint) after this long
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.lr <= 0 or self.soft_top_k < 1 or self.checkpoint_every < 1:
+            raise SpecdraftError("epochs, soft_top_k and checkpoint_every must be >= 1 and lr > 0")
+        if not 1 <= self.steps <= 16 or not 1 <= self.eval_steps <= 16 or not 0 < self.step_decay <= 1:
+            raise SpecdraftError("steps and eval_steps must be in 1..16 and step_decay in (0, 1]")
+
+    def key(self) -> dict[str, Any]:
+        """The settings a checkpoint must share to be resumed (not the time budget)."""
+        return {k: v for k, v in asdict(self).items() if k != "time_budget_s"}
+
+
+@dataclass(slots=True)
+class ChainMeasure:
+    positions: int = 0
+    accept: list[float] = field(default_factory=list)  # per draft position: right given the earlier ones were
+    tau: float = 1.0
+
+    def line(self) -> str:
+        acc = ", ".join(f"{a:.0%}" for a in self.accept)
+        return f"held-out tau {self.tau:.3f} over {self.positions} positions; acceptance per draft position: {acc}"
+
+
+def step_targets(batch: TeacherBatch, k: int, t: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Step k's labels at every anchor p < t: (mask [B, t], ids [B, t, s], probs [B, t, s]),
+    the target's distribution at p + k, where p + k predicts an answer token."""
+    assert batch.top_ids is not None and batch.top_probs is not None
+    b, width = batch.answer.shape
+    mask = torch.zeros(b, t, dtype=torch.bool)
+    ids = torch.zeros(b, t, batch.top_ids.shape[-1], dtype=torch.long)
+    probs = torch.zeros(b, t, batch.top_ids.shape[-1])
+    n = max(0, min(t, width - k))
+    mask[:, :n] = batch.answer[:, k : k + n]
+    ids[:, :n] = batch.top_ids[:, k : k + n]
+    probs[:, :n] = batch.top_probs[:, k : k + n].float()
+    return mask, ids, probs
+
+
+def _ttt(head: EagleHead, loaded: LoadedModel, batch: TeacherBatch, steps: int) -> list[Tensor]:
+    m = loaded.model
+    taps = torch.cat([batch.taps[i] for i in head.config.taps], -1).float()  # [B, T, taps*H]
+    emb, cos, sin = ttt_inputs(m.embed, batch.tokens, m.rope_cos, m.rope_sin, steps, torch.float32)
+    return head.ttt(taps, emb, cos, sin, steps)
+
+
+def eagle_loss(head: EagleHead, loaded: LoadedModel, batch: TeacherBatch, cfg: EagleTrainConfig,
+               to_draft: Tensor) -> tuple[Tensor, float]:
+    """The weighted soft cross-entropy over the training-time test's steps, and step 1's accuracy."""
+    states = _ttt(head, loaded, batch, cfg.steps)
+    t = batch.tokens.shape[1]
+    losses, weights, acc = [], [], 0.0
+    for k, state in enumerate(states, start=1):
+        mask, ids, probs = step_targets(batch, k, t)
+        if not bool(mask.any()):
+            continue
+        logits = head.logits(state[mask])  # [P, N]
+        losses.append(soft_cross_entropy(logits, ids[mask], probs[mask], to_draft) * cfg.step_decay ** (k - 1))
+        weights.append(cfg.step_decay ** (k - 1))
+        if k == 1:
+            acc = float((head.target_ids[logits.argmax(-1)] == ids[mask][:, 0]).float().mean())
+    if not losses:
+        return states[0].sum() * 0, acc
+    return torch.stack(losses).sum() / sum(weights), acc
+
+
+@torch.no_grad()
+def evaluate(head: EagleHead, loaded: LoadedModel, batches: Seq[TeacherBatch], steps: int) -> ChainMeasure:
+    """The greedy chain's acceptance per draft position and tau on held-out batches."""
+    reached = [0] * (steps + 1)  # reached[j]: anchors whose first j steps were all right
+    total = 0
+    for batch in batches:
+        states = _ttt(head, loaded, batch, steps)
+        t = batch.tokens.shape[1]
+        valid, _, _ = step_targets(batch, steps, t)
+        valid &= step_targets(batch, 1, t)[0]  # every step's label predicts an answer token
+        lead = torch.ones_like(valid)
+        total += int(valid.sum())
+        reached[0] += int(valid.sum())
+        for k, state in enumerate(states, start=1):
+            _, ids, _ = step_targets(batch, k, t)
+            guess = head.target_ids[head.logits(state).argmax(-1)]  # [B, t]
+            lead &= guess == ids[..., 0]
+            reached[k] += int((lead & valid).sum())
+    if not total:
+        return ChainMeasure()
+    accept = [reached[k] / max(reached[k - 1], 1) for k in range(1, steps + 1)]
+    return ChainMeasure(total, accept, 1.0 + sum(reached[1:]) / total)
+
+
+def train_eagle(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: EagleTrainConfig,
+                log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> ChainMeasure:
+    """Train (or resume) an EAGLE-3 head for ``loaded`` on the data folder; see the module doc."""
+    pairs, held, train_records = splits(data, cfg.limit)
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    vocab = draft_vocabulary(loaded, train_records, cfg.draft_vocab)
+    head = EagleHead(EagleConfig.for_target(loaded.config, cfg.draft_vocab, cfg.taps or None), vocab)
+    with torch.no_grad():  # start the LM head as the target's, restricted to the draft vocabulary
+        head.lm_head.weight.copy_(loaded.model.lm_head.weight[vocab.target_ids].float())
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr)
+    progress = resume(folder, cfg.key(), head, opt, {"epoch": 0, "batch": 0})
+    teacher = TeacherConfig(taps=head.config.taps, top_k=cfg.soft_top_k, batch_tokens=cfg.batch_tokens,
+                            max_len=cfg.max_len)
+    cache = TeacherCache(loaded, pairs, teacher, keep=cfg.epochs > 1)
+    to_draft = draft_index(vocab)
+    t0 = time.perf_counter()
+    groups = length_batches([len(p) + len(a) for p, a in pairs], cfg.batch_tokens)
+    for epoch in range(progress["epoch"], cfg.epochs):
+        order = list(groups)
+        random.Random(cfg.seed + epoch).shuffle(order)
+        bar = tqdm(total=len(order), initial=progress["batch"], desc=f"eagle epoch {epoch + 1}/{cfg.epochs}",
+                   unit="batch", file=sys.stderr)
+        for b in range(progress["batch"], len(order)):
+            if cfg.time_budget_s is not None and time.perf_counter() - t0 > cfg.time_budget_s:
+                save_checkpoint(folder, cfg.key(), head, opt, {"epoch": epoch, "batch": b})
+                bar.close()
+                log(f"eagle: time budget reached at epoch {epoch + 1}, batch {b}; rerun to resume")
+                return ChainMeasure()
+            loss, acc = eagle_loss(head, loaded, cache.batch(order[b]), cfg, to_draft)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", step1=f"{acc:.0%}")
+            bar.update(1)
+            if (b + 1) % cfg.checkpoint_every == 0:
+                save_checkpoint(folder, cfg.key(), head, opt, {"epoch": epoch, "batch": b + 1})
+        bar.close()
+        progress = {"epoch": epoch + 1, "batch": 0}
+        save_checkpoint(folder, cfg.key(), head, opt, progress)
+    held_cache = TeacherCache(loaded, held, teacher, keep=False)
+    result = evaluate(head, loaded, list(held_cache.all(length_batches([len(p) + len(a) for p, a in held],
+                                                                        cfg.batch_tokens))), cfg.eval_steps)
+    log(f"eagle: {result.line()}")
+    save_eagle(head, folder, loaded.config, loaded.source.name, dtype=torch.bfloat16,
+               extra={"training": cfg.key(), "held_out": {"tau": result.tau, "accept": result.accept,
+                                                          "positions": result.positions}})
+    return result
