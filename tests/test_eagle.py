@@ -191,3 +191,28 @@ def test_sampled_dynamic_trees_are_lossless(sibling_setup, monkeypatch: pytest.M
     # skipping the residual between them is caught; then a deeper dynamic tree, exact too
     check_siblings_lossless(sibling_setup, make(1, 4), 4, monkeypatch)
     check_siblings_lossless(sibling_setup, make(3, 2), 4, monkeypatch, catches_the_bug=False)
+
+
+def test_exports_to_speculators_and_eagle3_layouts(tiny: LoadedModel, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from specdraft.cli import main
+    from specdraft.heads.export import export_heads
+
+    head = random_head(tiny)
+    folder = save_eagle(head, tmp_path / "head", tiny.config, "tiny")
+    ours = load_file(str(folder / "model.safetensors"))
+    spec = export_heads(folder, tmp_path / "spec", "speculators", verifier="org/tiny")
+    config = json.loads((spec / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3" and config["draft_vocab_size"] == 200
+    assert config["eagle_aux_hidden_state_layer_ids"] == list(head.config.taps)
+    assert config["transformer_layer_config"]["hidden_size"] == tiny.config.hidden_size
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "org/tiny"
+    theirs = load_file(str(spec / "model.safetensors"))
+    assert set(theirs) == {k.replace("midlayer.", "layers.0.") for k in ours}
+    assert torch.equal(theirs["layers.0.self_attn.q_proj.weight"], ours["midlayer.self_attn.q_proj.weight"])
+    same = export_heads(folder, tmp_path / "e3", "eagle3")
+    assert torch.equal(load_eagle(same, tiny.config).fc.weight, head.fc.weight)
+    with pytest.raises(SpecdraftError, match="needs a specdraft-medusa head"):
+        export_heads(folder, tmp_path / "m", "vllm-medusa")
+    assert main(["train", "export", str(tmp_path / "nowhere"), str(tmp_path / "x"), "--format", "eagle3"]) == 2

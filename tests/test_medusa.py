@@ -137,3 +137,24 @@ def test_sampled_siblings_are_lossless(sibling_setup, monkeypatch: pytest.Monkey
             heads.lm_head.weight[token] = score * state / state.dot(state)
     check_siblings_lossless(sibling_setup, lambda _m, _t: MedusaProposer(heads, branches=3), 4, monkeypatch,
                             catches_the_bug=False)
+
+
+def test_exports_to_vllm_medusa_layout(tiny: LoadedModel, tmp_path: Path) -> None:
+    import json
+
+    from safetensors.torch import load_file
+
+    from specdraft.heads.export import export_heads
+
+    heads = random_heads(tiny, heads=3)
+    folder = save_medusa(heads, tmp_path / "heads", target="tiny")
+    out = export_heads(folder, tmp_path / "vllm", "vllm-medusa")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["MedusaModel"] and config["num_heads"] == 3
+    assert config["truncated_vocab_size"] == 200
+    t = load_file(str(out / "model.safetensors"))
+    x = torch.randn(tiny.config.hidden_size)
+    for i in range(3):  # vLLM's head i: x + SiLU(W x + b), then its own LM head, over token_map
+        h = x + torch.nn.functional.silu(t[f"blocks.{i}.layers.0.weight"] @ x + t[f"blocks.{i}.layers.0.bias"])
+        assert torch.allclose(t[f"lm_heads.{i}.weight"] @ h, heads(x)[i], atol=1e-5)
+    assert torch.equal(t["token_map"], heads.target_ids)

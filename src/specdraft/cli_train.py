@@ -77,11 +77,24 @@ def add_train_commands(sub: argparse._SubParsersAction, add_model_options) -> No
     e.add_argument("--epochs", type=int, default=1, help="passes over the train split (default: 1)")
     e.add_argument("--lr", type=float, default=5e-4, help="AdamW learning rate (default: 0.0005)")
     e.add_argument("--limit", type=int, default=None, help="train answers used (default: all)")
+    e.add_argument("--references", type=int, default=0,
+                   help="also train on this many train-split prompts with the data set's own answers (teacher "
+                        "forcing; needs --prompts)")
+    e.add_argument("--prompts", default=None, metavar="DIR", help="training prompts folder, for --references")
     e.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per batch (default: 2048)")
     e.add_argument("--time-budget", type=float, default=None, metavar="SECONDS", help="stop with a checkpoint after this long")
     e.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
     add_model_options(e)
     e.set_defaults(func=cmd_train_eagle)
+    x = actions.add_parser("export", help="write trained heads in another engine's layout",
+                           description="eagle3: SpecForge / SGLang / vLLM (LlamaForCausalLMEagle3; what `train eagle` "
+                                       "already writes); speculators: the speculators library's EAGLE-3 format; "
+                                       "vllm-medusa: vLLM's MedusaModel.")
+    x.add_argument("source", help="a head folder written by `specdraft train eagle` or `train medusa`")
+    x.add_argument("out", help="output folder")
+    x.add_argument("--format", required=True, choices=("eagle3", "speculators", "vllm-medusa"))
+    x.add_argument("--verifier", default="", help="the target's name or path, for the speculators config")
+    x.set_defaults(func=cmd_train_export)
     s = actions.add_parser("summary", help="count the prompts and tokens of a data folder")
     s.add_argument("folder", help="a folder written by `specdraft train data`")
     s.set_defaults(func=cmd_train_summary)
@@ -173,7 +186,15 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
         raise SpecdraftError(f"--taps must be comma-separated layer numbers, got {args.taps!r}") from None
     cfg = EagleTrainConfig(draft_vocab=args.draft_vocab, steps=args.steps, taps=taps, epochs=args.epochs, lr=args.lr,
                            batch_tokens=args.batch_tokens, seed=args.seed, limit=args.limit,
-                           time_budget_s=args.time_budget)
-    result = train_eagle(_teacher(args), args.data, args.out, cfg)
+                           references=args.references, time_budget_s=args.time_budget)
+    result = train_eagle(_teacher(args), args.data, args.out, cfg, prompts_root=args.prompts)
     print(f"train eagle: {result.line()} -> {args.out}")
+    return 0
+
+
+def cmd_train_export(args: argparse.Namespace) -> int:
+    from specdraft.heads.export import export_heads
+
+    out = export_heads(args.source, args.out, args.format, args.verifier)
+    print(f"train export: {args.source} -> {out} ({args.format})")
     return 0

@@ -35,6 +35,27 @@ def splits(data: str | Path, limit: int | None) -> tuple[list[Pair], list[Pair],
     return [(r["prompt"], r["response"]) for r in train], [(r["prompt"], r["response"]) for r in held], train
 
 
+def reference_pairs(loaded: LoadedModel, prompts_root: str | Path, count: int, max_len: int = 768) -> list[Pair]:
+    """Up to ``count`` train-split prompts with the data set's own answer (teacher forcing,
+    EAGLE-1's recipe: the target's soft labels on text it did not write cost only a prefill),
+    as (chat prompt ids, answer ids + EOS). Validation prompts are never used."""
+    from specdraft.train.prompts import load_training_prompts
+
+    tok = loaded.tokenizer
+    eos = [tok.eos_id] if tok.eos_id is not None else []
+    pairs: list[Pair] = []
+    for p in load_training_prompts(prompts_root):
+        if len(pairs) >= count:
+            break
+        if p.split != "train" or not p.reference:
+            continue
+        prompt = tok.encode_chat([{"role": "user", "content": p.text}])
+        answer = tok.encode(p.reference, add_bos=False, add_eos=False, parse_special=False) + eos
+        if len(prompt) + 2 <= max_len:
+            pairs.append((prompt, answer))
+    return pairs
+
+
 def draft_vocabulary(loaded: LoadedModel, train: Seq[dict[str, Any]], size: int) -> DraftVocab:
     """The ``size`` most frequent tokens of the train answers (and the EOS token)."""
     eos = loaded.tokenizer.eos_id

@@ -19,6 +19,7 @@ EAGLE-3 layout (:mod:`specdraft.heads.eagle_checkpoint`).
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 import time
@@ -35,8 +36,8 @@ from specdraft.errors import SpecdraftError
 from specdraft.heads.eagle import EagleConfig, EagleHead, ttt_inputs
 from specdraft.heads.eagle_checkpoint import save_eagle
 from specdraft.model.loader import LoadedModel
-from specdraft.train.common import (TeacherCache, draft_index, draft_vocabulary, resume, save_checkpoint,
-                                    soft_cross_entropy, splits)
+from specdraft.train.common import (TeacherCache, draft_index, draft_vocabulary, reference_pairs, resume,
+                                    save_checkpoint, soft_cross_entropy, splits)
 from specdraft.train.teacher import TeacherBatch, TeacherConfig, length_batches
 
 
@@ -54,7 +55,9 @@ class EagleTrainConfig:
     taps: tuple[int, ...] = ()  # () = EAGLE-3's choice for the target
     eval_steps: int = 6
     checkpoint_every: int = 20  # batches
+    eval_every: int = 100  # batches between held-out measures (the learning curve, ``curve.jsonl``)
     limit: int | None = None  # train records used (None: all)
+    references: int = 0  # train prompts added with the data set's own answers (teacher forcing)
     time_budget_s: float | None = None  # stop (with a checkpoint) after this long
 
     def __post_init__(self) -> None:
@@ -145,24 +148,55 @@ def evaluate(head: EagleHead, loaded: LoadedModel, batches: Seq[TeacherBatch], s
     return ChainMeasure(total, accept, 1.0 + sum(reached[1:]) / total)
 
 
+def _curve(folder: Path, epoch: int, batch: int, batches: int, m: ChainMeasure) -> None:
+    """Append one held-out measure to ``curve.jsonl`` (epochs done, as a fraction, and tau)."""
+    row = {"epochs": round(epoch + batch / batches, 4), "tau": round(m.tau, 4),
+           "accept": [round(a, 4) for a in m.accept], "positions": m.positions}
+    with open(folder / "curve.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+@torch.no_grad()
+def start_from_target(head: EagleHead, loaded: LoadedModel) -> None:
+    """The head's starting point: its output is the highest tap (``fc`` selects it, the layer's
+    residual branches start at zero), read out through the target's own final norm and LM head
+    restricted to the draft vocabulary; a logit lens that training then moves one token on."""
+    h = head.config.hidden_size
+    head.fc.weight.zero_()
+    high = max(range(len(head.config.taps)), key=lambda i: head.config.taps[i])
+    head.fc.weight[:, high * h : (high + 1) * h] = torch.eye(h)
+    head.midlayer.self_attn.o_proj.weight.zero_()
+    head.midlayer.mlp.down_proj.weight.zero_()
+    head.norm.weight.copy_(loaded.model.norm.weight.float())
+    head.lm_head.weight.copy_(loaded.model.lm_head.weight[head.target_ids].float())
+
+
 def train_eagle(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: EagleTrainConfig,
-                log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> ChainMeasure:
-    """Train (or resume) an EAGLE-3 head for ``loaded`` on the data folder; see the module doc."""
+                log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
+                prompts_root: str | Path | None = None) -> ChainMeasure:
+    """Train (or resume) an EAGLE-3 head for ``loaded`` on the data folder (plus
+    ``cfg.references`` teacher-forced answers from ``prompts_root``); see the module doc."""
     pairs, held, train_records = splits(data, cfg.limit)
+    if cfg.references:
+        if prompts_root is None:
+            raise SpecdraftError("references need the training prompts folder (--prompts)")
+        pairs = pairs + reference_pairs(loaded, prompts_root, cfg.references, cfg.max_len)
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     vocab = draft_vocabulary(loaded, train_records, cfg.draft_vocab)
     head = EagleHead(EagleConfig.for_target(loaded.config, cfg.draft_vocab, cfg.taps or None), vocab)
-    with torch.no_grad():  # start the LM head as the target's, restricted to the draft vocabulary
-        head.lm_head.weight.copy_(loaded.model.lm_head.weight[vocab.target_ids].float())
+    start_from_target(head, loaded)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr)
     progress = resume(folder, cfg.key(), head, opt, {"epoch": 0, "batch": 0})
     teacher = TeacherConfig(taps=head.config.taps, top_k=cfg.soft_top_k, batch_tokens=cfg.batch_tokens,
                             max_len=cfg.max_len)
     cache = TeacherCache(loaded, pairs, teacher, keep=cfg.epochs > 1)
+    held_cache = TeacherCache(loaded, held, teacher, keep=True)
+    held_groups = length_batches([len(p) + len(a) for p, a in held], cfg.batch_tokens)
     to_draft = draft_index(vocab)
     t0 = time.perf_counter()
+    teacher_s = 0.0
     groups = length_batches([len(p) + len(a) for p, a in pairs], cfg.batch_tokens)
     for epoch in range(progress["epoch"], cfg.epochs):
         order = list(groups)
@@ -175,20 +209,26 @@ def train_eagle(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: Eag
                 bar.close()
                 log(f"eagle: time budget reached at epoch {epoch + 1}, batch {b}; rerun to resume")
                 return ChainMeasure()
-            loss, acc = eagle_loss(head, loaded, cache.batch(order[b]), cfg, to_draft)
+            tb = time.perf_counter()
+            batch = cache.batch(order[b])
+            teacher_s += time.perf_counter() - tb
+            loss, acc = eagle_loss(head, loaded, batch, cfg, to_draft)
             opt.zero_grad()
             loss.backward()
             opt.step()
-            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", step1=f"{acc:.0%}")
+            share = teacher_s / max(time.perf_counter() - t0, 1e-9)
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", step1=f"{acc:.0%}", teacher=f"{share:.0%}")
             bar.update(1)
             if (b + 1) % cfg.checkpoint_every == 0:
                 save_checkpoint(folder, cfg.key(), head, opt, {"epoch": epoch, "batch": b + 1})
+            if (b + 1) % cfg.eval_every == 0:
+                _curve(folder, epoch, b + 1, len(order), evaluate(head, loaded, list(held_cache.all(held_groups)),
+                                                                  cfg.eval_steps))
         bar.close()
         progress = {"epoch": epoch + 1, "batch": 0}
         save_checkpoint(folder, cfg.key(), head, opt, progress)
-    held_cache = TeacherCache(loaded, held, teacher, keep=False)
-    result = evaluate(head, loaded, list(held_cache.all(length_batches([len(p) + len(a) for p, a in held],
-                                                                        cfg.batch_tokens))), cfg.eval_steps)
+    result = evaluate(head, loaded, list(held_cache.all(held_groups)), cfg.eval_steps)
+    _curve(folder, cfg.epochs - 1, len(groups), len(groups), result)
     log(f"eagle: {result.line()}")
     save_eagle(head, folder, loaded.config, loaded.source.name, dtype=torch.bfloat16,
                extra={"training": cfg.key(), "held_out": {"tau": result.tau, "accept": result.accept,
