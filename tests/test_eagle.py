@@ -13,7 +13,9 @@ from torch import Tensor
 
 from specdraft.engine import Engine
 from specdraft.errors import ModelFileError, SpecdraftError
-from specdraft.heads.eagle import EagleConfig, EagleHead, eagle3_taps, ttt_inputs
+from specdraft.heads.eagle import EagleHead, eagle3_taps
+from specdraft.heads.feature_head import FeatureHead, ttt_inputs
+from specdraft.heads.mtp import MtpHead
 from specdraft.heads.eagle_checkpoint import load_eagle, save_eagle
 from specdraft.heads.vocab import DraftVocab
 from specdraft.metrics import SpecStats
@@ -21,7 +23,7 @@ from specdraft.model.loader import LoadedModel, load
 from specdraft.policy import Policy, PolicyConfig
 from specdraft.proposers import make_proposer
 from specdraft.proposers.base import ProposerContext
-from specdraft.proposers.eagle import EagleOptions, EagleProposer
+from specdraft.proposers.feature_heads import EagleOptions, FeatureHeadProposer
 from specdraft.sequence import GenerationConfig, Sequence
 from test_accept import check_siblings_lossless, sibling_setup  # noqa: F401  (a fixture)
 from test_spec_engine import cost_table
@@ -34,10 +36,12 @@ def tiny(tiny_hf: Path) -> LoadedModel:
     return load(tiny_hf)
 
 
-def random_head(loaded: LoadedModel, draft_vocab: int = 200, seed: int = 0, scale: float = 0.3) -> EagleHead:
+def random_head(loaded: LoadedModel, draft_vocab: int = 200, seed: int = 0, scale: float = 0.3,
+                kind: str = "eagle") -> FeatureHead:
     c = loaded.config
     torch.manual_seed(seed)
-    head = EagleHead(EagleConfig.for_target(c, draft_vocab), DraftVocab(torch.arange(draft_vocab), c.vocab_size))
+    vocab = DraftVocab(torch.arange(draft_vocab), c.vocab_size)
+    head = EagleHead.for_target(c, vocab) if kind == "eagle" else MtpHead.for_target(c, vocab)
     with torch.no_grad():
         for p in head.parameters():
             if p.ndim == 2:
@@ -61,7 +65,7 @@ def test_eagle3_layer_choice() -> None:
 
 
 @torch.inference_mode()
-def _ttt_logp(loaded: LoadedModel, head: EagleHead, tokens: list[int], anchor: int, steps: int) -> list[Tensor]:
+def _ttt_logp(loaded: LoadedModel, head: FeatureHead, tokens: list[int], anchor: int, steps: int) -> list[Tensor]:
     """The training-time test's log-probs [N] at ``anchor`` for steps 1..steps, over ``tokens``."""
     model = loaded.model
     t = anchor + 1
@@ -74,13 +78,14 @@ def _ttt_logp(loaded: LoadedModel, head: EagleHead, tokens: list[int], anchor: i
     return [head.logits(s[0, anchor]).log_softmax(-1) for s in states]
 
 
+@pytest.mark.parametrize("kind", ["eagle", "mtp"])
 @pytest.mark.parametrize("topk", [1, 3], ids=["chain", "tree"])
-def test_drafting_computes_what_the_training_time_test_trains(tiny: LoadedModel, topk: int) -> None:
+def test_drafting_computes_what_the_training_time_test_trains(tiny: LoadedModel, topk: int, kind: str) -> None:
     """Every node's score is its path's cumulative log-probability under the training-time
     test with that path as the tokens: the tree's attention mask, positions, the head's cache
-    and the state hand-over are those training sees."""
-    head = random_head(tiny)
-    proposer = EagleProposer(head, context(tiny), EagleOptions(depth=3, topk=topk))
+    and the state hand-over are those training sees (for both kinds of feature head)."""
+    head = random_head(tiny, kind=kind)
+    proposer = FeatureHeadProposer(head, context(tiny), EagleOptions(depth=3, topk=topk))
     prompt = prompts(tiny)[1]
     seq = Sequence(prompt, GEN, tiny.tokenizer, capacity=64)
     m = tiny.model
@@ -104,7 +109,7 @@ def test_drafting_computes_what_the_training_time_test_trains(tiny: LoadedModel,
         assert abs(float(scores[0, node]) - want) < 1e-4, (node, path)
 
 
-def _features(out, head: EagleHead):  # type: ignore[no-untyped-def]
+def _features(out, head: FeatureHead):  # type: ignore[no-untyped-def]
     from specdraft.proposers.base import Features
 
     return Features(out.last_hidden[0], {i: out.hidden[i][0] for i in head.config.taps})
@@ -143,14 +148,15 @@ def test_checkpoints_round_trip_in_the_eagle3_layout_and_bad_ones_are_refused(ti
         make_proposer("eagle", {}, context(tiny))
 
 
+@pytest.mark.parametrize("kind", ["eagle", "mtp"])
 @pytest.mark.parametrize("topk", [1, 3], ids=["chain", "tree"])
 @pytest.mark.parametrize("policy", ["fixed", "adaptive"])
-def test_greedy_output_equals_plain(tiny: LoadedModel, topk: int, policy: str) -> None:
+def test_greedy_output_equals_plain(tiny: LoadedModel, topk: int, policy: str, kind: str) -> None:
     batch = prompts(tiny)
     plain = Engine(tiny.model, tiny.tokenizer).generate(batch, GEN)
     cost = cost_table(len(batch)) if policy == "adaptive" else None
     policy_ = Policy(PolicyConfig(kind=policy, k=6, objective="throughput", stop_after=10**6), cost)
-    proposer = EagleProposer(random_head(tiny), context(tiny), EagleOptions(depth=4, topk=topk))
+    proposer = FeatureHeadProposer(random_head(tiny, kind=kind), context(tiny), EagleOptions(depth=4, topk=topk), kind)
     stats = SpecStats()
     got = Engine(tiny.model, tiny.tokenizer, proposer, policy_).generate(batch, GEN, stats=stats)
     assert [r.tokens for r in got] == [r.tokens for r in plain]
@@ -181,11 +187,11 @@ class _BigramHead(EagleHead):
 def test_sampled_dynamic_trees_are_lossless(sibling_setup, monkeypatch: pytest.MonkeyPatch, tiny: LoadedModel) -> None:  # noqa: F811
     model, tokenizer, prompt, p1, p2 = sibling_setup[:5]
     c = model.config
-    base = EagleHead(EagleConfig.for_target(c, c.vocab_size), DraftVocab(torch.arange(c.vocab_size), c.vocab_size))
+    base = EagleHead.for_target(c, DraftVocab(torch.arange(c.vocab_size), c.vocab_size))
     head = _BigramHead(base, model.embed.weight.float(), p2)
 
     def make(depth: int, topk: int):  # type: ignore[no-untyped-def]
-        return lambda m, t: EagleProposer(head, ProposerContext(m, t), EagleOptions(depth=depth, topk=topk))
+        return lambda m, t: FeatureHeadProposer(head, ProposerContext(m, t), EagleOptions(depth=depth, topk=topk))
 
     # one level of four siblings: later siblings are accepted often enough that a sampler
     # skipping the residual between them is caught; then a deeper dynamic tree, exact too

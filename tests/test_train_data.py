@@ -289,7 +289,7 @@ def test_eagle_training_learns_saves_resumes_and_refuses_other_settings(
         tiny: LoadedModel, train_folder: Path, tmp_path: Path) -> None:
     import torch
 
-    from specdraft.heads.eagle import EagleConfig, EagleHead
+    from specdraft.heads.eagle import EagleHead
     from specdraft.proposers import make_proposer
     from specdraft.proposers.base import ProposerContext
     from specdraft.train.common import CHECKPOINT, TeacherCache
@@ -300,7 +300,7 @@ def test_eagle_training_learns_saves_resumes_and_refuses_other_settings(
     prompts = [TrainPrompt(f"p/{i}", "p", f"Say {i} twice. " * (1 + i % 3), None) for i in range(80)]
     generate_data(tiny, prompts, data, DataConfig(max_new_tokens=24, temperatures=(0.0,), batch_size=8))
     out = tmp_path / "eagle"
-    cfg = EagleTrainConfig(draft_vocab=64, steps=3, epochs=3, lr=3e-3, batch_tokens=512, checkpoint_every=2,
+    cfg = EagleTrainConfig(draft_vocab=64, steps=3, epochs=6, lr=5e-3, batch_tokens=512, checkpoint_every=2,
                            eval_steps=3)
     stopped = train_eagle(tiny, data, out, EagleTrainConfig(**{**cfg.key(), "time_budget_s": 0.0}))
     assert stopped.positions == 0 and (out / CHECKPOINT).is_file()  # interrupted at once, with a checkpoint
@@ -314,12 +314,30 @@ def test_eagle_training_learns_saves_resumes_and_refuses_other_settings(
     teacher = TeacherConfig(taps=head.config.taps, top_k=8, batch_tokens=512)
     batches = list(TeacherCache(tiny, pairs, teacher).all(length_batches([len(p) + len(a) for p, a in pairs], 512)))
     torch.manual_seed(0)
-    start = EagleHead(EagleConfig.for_target(tiny.config, 64), head.vocab)
+    start = EagleHead.for_target(tiny.config, head.vocab)
     with torch.no_grad():
         start.lm_head.weight.copy_(tiny.model.lm_head.weight[head.target_ids])
     trained = evaluate(head, tiny, batches, 3)
     assert trained.tau > evaluate(start, tiny, batches, 3).tau + 0.1
     with pytest.raises(SpecdraftError, match="other settings"):
-        train_eagle(tiny, data, out, EagleTrainConfig(draft_vocab=64, steps=2, epochs=3))
+        train_eagle(tiny, data, out, EagleTrainConfig(draft_vocab=64, steps=2, epochs=6))
     assert main(["train", "eagle", "--data", str(tmp_path / "nowhere"), "--out", str(out)]) == 2
     assert main(["train", "eagle", "--data", str(data), "--out", str(out), "--taps", "a,b"]) == 2
+
+
+def test_mtp_training_learns_and_saves_a_loadable_module(tiny: LoadedModel, tmp_path: Path) -> None:
+    from specdraft.proposers import make_proposer
+    from specdraft.proposers.base import ProposerContext
+    from specdraft.train.eagle import EagleTrainConfig, train_eagle
+
+    data = tmp_path / "data"
+    prompts = [TrainPrompt(f"p/{i}", "p", f"Say {i} twice. " * (1 + i % 3), None) for i in range(80)]
+    generate_data(tiny, prompts, data, DataConfig(max_new_tokens=24, temperatures=(0.0,), batch_size=8))
+    cfg = EagleTrainConfig(draft_vocab=64, steps=2, epochs=2, lr=3e-3, batch_tokens=512, eval_steps=2)
+    result = train_eagle(tiny, data, tmp_path / "mtp", cfg, kind="mtp")
+    curve = [json.loads(line) for line in (tmp_path / "mtp" / "curve.jsonl").read_text().splitlines()]
+    assert result.positions > 0 and curve[-1]["tau"] == round(result.tau, 4)
+    proposer = make_proposer("mtp", {"path": str(tmp_path / "mtp")}, ProposerContext(tiny.model, tiny.tokenizer))
+    assert proposer.head.config.taps == (tiny.config.num_layers,)
+    assert main(["train", "mtp", "--data", str(data), "--out", str(tmp_path / "m2"), "--limit", "8", "--steps", "1",
+                 "--draft-vocab", "64", "--batch-tokens", "256"]) == 0

@@ -63,29 +63,32 @@ def add_train_commands(sub: argparse._SubParsersAction, add_model_options) -> No
     m.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
     add_model_options(m)
     m.set_defaults(func=cmd_train_medusa)
-    e = actions.add_parser("eagle", help="train an EAGLE-3 head on the target's own answers (resumable)",
-                           description="One decoder layer over the target's fused low/mid/high features learns the "
-                                       "target's own next-token distribution with EAGLE-3's training-time test (fed its "
-                                       "own states for --steps steps). The held-out acceptance per draft position and "
-                                       "tau are printed at the end; the head is saved in the EAGLE-3 layout that "
-                                       "SGLang and vLLM load. Rerun the same command to resume after an interrupt.")
-    e.add_argument("--data", required=True, metavar="DIR", help="a folder written by `specdraft train data`")
-    e.add_argument("--out", required=True, metavar="DIR", help="output folder (checkpoint, then config.json + model.safetensors)")
-    e.add_argument("--draft-vocab", type=int, default=4096, help="reduced vocabulary size (default: 4096)")
-    e.add_argument("--steps", type=int, default=4, help="training-time test steps (default: 4)")
-    e.add_argument("--taps", default="", help="comma-separated target layers to fuse (default: EAGLE-3's 2, L/2, L-3)")
-    e.add_argument("--epochs", type=int, default=1, help="passes over the train split (default: 1)")
-    e.add_argument("--lr", type=float, default=5e-4, help="AdamW learning rate (default: 0.0005)")
-    e.add_argument("--limit", type=int, default=None, help="train answers used (default: all)")
-    e.add_argument("--references", type=int, default=0,
-                   help="also train on this many train-split prompts with the data set's own answers (teacher "
-                        "forcing; needs --prompts)")
-    e.add_argument("--prompts", default=None, metavar="DIR", help="training prompts folder, for --references")
-    e.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per batch (default: 2048)")
-    e.add_argument("--time-budget", type=float, default=None, metavar="SECONDS", help="stop with a checkpoint after this long")
-    e.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
-    add_model_options(e)
-    e.set_defaults(func=cmd_train_eagle)
+    for kind, what in (("eagle", "an EAGLE-3 head: one decoder layer over the target's fused low/mid/high features"),
+                       ("mtp", "an MTP module (DeepSeek-V3 layout): a projection of the target's last layer and the "
+                               "next token's embedding, then one decoder layer")):
+        e = actions.add_parser(kind, help=f"train {what.split(':')[0]} on the target's own answers (resumable)",
+                               description=f"Trains {what}. It learns the target's own next-token distribution with "
+                                           "EAGLE-3's training-time test (fed its own states for --steps steps). The "
+                                           "held-out acceptance per draft position and tau are printed at the end. "
+                                           "Rerun the same command to resume after an interrupt.")
+        e.add_argument("--data", required=True, metavar="DIR", help="a folder written by `specdraft train data`")
+        e.add_argument("--out", required=True, metavar="DIR", help="output folder (checkpoint, then config.json + model.safetensors)")
+        e.add_argument("--draft-vocab", type=int, default=4096, help="reduced vocabulary size (default: 4096)")
+        e.add_argument("--steps", type=int, default=3, help="training-time test steps (default: 3)")
+        if kind == "eagle":
+            e.add_argument("--taps", default="", help="comma-separated target layers to fuse (default: EAGLE-3's 2, L/2, L-3)")
+        e.add_argument("--epochs", type=int, default=1, help="passes over the train split (default: 1)")
+        e.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate (default: 0.001)")
+        e.add_argument("--limit", type=int, default=None, help="train answers used (default: all)")
+        e.add_argument("--references", type=int, default=0,
+                       help="also train on this many train-split prompts with the data set's own answers (teacher "
+                            "forcing; needs --prompts)")
+        e.add_argument("--prompts", default=None, metavar="DIR", help="training prompts folder, for --references")
+        e.add_argument("--batch-tokens", type=int, default=1024, help="padded tokens per batch (default: 1024)")
+        e.add_argument("--time-budget", type=float, default=None, metavar="SECONDS", help="stop with a checkpoint after this long")
+        e.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
+        add_model_options(e)
+        e.set_defaults(func=cmd_train_head, kind=kind)
     x = actions.add_parser("export", help="write trained heads in another engine's layout",
                            description="eagle3: SpecForge / SGLang / vLLM (LlamaForCausalLMEagle3; what `train eagle` "
                                        "already writes); speculators: the speculators library's EAGLE-3 format; "
@@ -177,18 +180,18 @@ def cmd_train_medusa(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_train_eagle(args: argparse.Namespace) -> int:
+def cmd_train_head(args: argparse.Namespace) -> int:
     from specdraft.train.eagle import EagleTrainConfig, train_eagle
 
     try:
-        taps = tuple(int(t) for t in args.taps.split(",") if t.strip())
+        taps = tuple(int(t) for t in getattr(args, "taps", "").split(",") if t.strip())
     except ValueError:
         raise SpecdraftError(f"--taps must be comma-separated layer numbers, got {args.taps!r}") from None
     cfg = EagleTrainConfig(draft_vocab=args.draft_vocab, steps=args.steps, taps=taps, epochs=args.epochs, lr=args.lr,
                            batch_tokens=args.batch_tokens, seed=args.seed, limit=args.limit,
                            references=args.references, time_budget_s=args.time_budget)
-    result = train_eagle(_teacher(args), args.data, args.out, cfg, prompts_root=args.prompts)
-    print(f"train eagle: {result.line()} -> {args.out}")
+    result = train_eagle(_teacher(args), args.data, args.out, cfg, prompts_root=args.prompts, kind=args.kind)
+    print(f"train {args.kind}: {result.line()} -> {args.out}")
     return 0
 
 

@@ -20,19 +20,18 @@ training-time test over whole sequences (``ttt``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence as Seq
-from dataclasses import dataclass
+from collections.abc import Sequence as Seq
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdraft.errors import SpecdraftError
+from specdraft.heads.feature_head import Attend, FeatureHead, HeadConfig
 from specdraft.heads.vocab import DraftVocab
 from specdraft.model.config import ModelConfig
 from specdraft.model.linear import Linear
 from specdraft.model.rope import apply_rope
-from specdraft.model.transformer import RMSNorm, grouped_attention
+from specdraft.model.transformer import RMSNorm
 
 
 def eagle3_taps(num_layers: int) -> tuple[int, int, int]:
@@ -41,39 +40,8 @@ def eagle3_taps(num_layers: int) -> tuple[int, int, int]:
     return (min(2, num_layers), num_layers // 2, max(num_layers - 3, 1))
 
 
-@dataclass(frozen=True, slots=True)
-class EagleConfig:
-    """The head's shape: the target's attention/MLP shape, the taps it fuses, the draft vocabulary."""
-
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    taps: tuple[int, ...]
-    draft_vocab: int
-    target_vocab: int
-    target_layers: int
-
-    def __post_init__(self) -> None:
-        if not self.taps or any(not 0 <= t <= self.target_layers for t in self.taps):
-            raise SpecdraftError(f"eagle: taps must be layer outputs in 0..{self.target_layers}, got {self.taps}")
-        if not 1 <= self.draft_vocab <= self.target_vocab or self.num_heads % self.num_kv_heads:
-            raise SpecdraftError(f"eagle: need 1 <= draft_vocab <= target_vocab and whole query groups, got {self}")
-
-    @classmethod
-    def for_target(cls, c: ModelConfig, draft_vocab: int, taps: Seq[int] | None = None) -> "EagleConfig":
-        return cls(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps,
-                   tuple(taps) if taps else eagle3_taps(c.num_layers), draft_vocab, c.vocab_size, c.num_layers)
-
-    @property
-    def group_size(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-
 class _Attention(nn.Module):
-    def __init__(self, c: EagleConfig) -> None:
+    def __init__(self, c: HeadConfig) -> None:
         super().__init__()
         h2 = 2 * c.hidden_size
         self.q_proj = Linear(h2, c.num_heads * c.head_dim, bias=False)
@@ -83,7 +51,7 @@ class _Attention(nn.Module):
 
 
 class _MLP(nn.Module):
-    def __init__(self, c: EagleConfig) -> None:
+    def __init__(self, c: HeadConfig) -> None:
         super().__init__()
         self.gate_proj = Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.up_proj = Linear(c.hidden_size, c.intermediate_size, bias=False)
@@ -94,7 +62,7 @@ class _MLP(nn.Module):
 
 
 class _MidLayer(nn.Module):
-    def __init__(self, c: EagleConfig) -> None:
+    def __init__(self, c: HeadConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -103,26 +71,19 @@ class _MidLayer(nn.Module):
         self.mlp = _MLP(c)
 
 
-# attend(q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, D]) -> [B, Hq, T, D]: how the new
-# queries see keys (the caller's cache, or the training-time test's key sets)
-Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
-
-
-class EagleHead(nn.Module):
-    def __init__(self, config: EagleConfig, vocab: DraftVocab) -> None:
-        super().__init__()
-        if vocab.size != config.draft_vocab or vocab.target_size != config.target_vocab:
-            raise SpecdraftError("eagle: the draft vocabulary does not match the head's config")
-        c = self.config = config
+class EagleHead(FeatureHead):
+    def __init__(self, config: HeadConfig, vocab: DraftVocab) -> None:
+        super().__init__(config, vocab)
+        c = config
         self.fc = Linear(len(c.taps) * c.hidden_size, c.hidden_size, bias=False)
         self.midlayer = _MidLayer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = Linear(c.hidden_size, c.draft_vocab, bias=False)
-        self.register_buffer("target_ids", vocab.target_ids.clone(), persistent=False)  # [N] draft id -> target id
 
-    @property
-    def vocab(self) -> DraftVocab:
-        return DraftVocab(self.target_ids.cpu(), self.config.target_vocab)
+    @classmethod
+    def for_target(cls, target: ModelConfig, vocab: DraftVocab, taps: Seq[int] | None = None) -> "EagleHead":
+        """A head for ``target`` over ``vocab``, fusing ``taps`` (default: EAGLE-3's)."""
+        return cls(HeadConfig.for_target(target, vocab.size, taps or eagle3_taps(target.num_layers)), vocab)
 
     def fuse(self, taps: Tensor) -> Tensor:
         """taps: [..., len(taps) * H] (the target's tap states, concatenated in config order) -> [..., H]."""
@@ -141,79 +102,3 @@ class EagleHead(nn.Module):
         h = hidden + a.o_proj(out)
         return h + m.mlp(m.post_attention_layernorm(h))
 
-    def logits(self, prenorm: Tensor) -> Tensor:
-        """[..., H] pre-norm states -> [..., N] float32 logits over the draft vocabulary."""
-        return self.lm_head(self.norm(prenorm)).float()
-
-    # -- training: the training-time test over whole sequences -----------------------------
-    def ttt(self, taps: Tensor, emb: Tensor, cos: Tensor, sin: Tensor, steps: int) -> list[Tensor]:
-        """Run ``steps`` draft steps from every position at once, each fed the head's own state
-        of the step before, as drafting does (EAGLE-3's training-time test).
-
-        taps: [B, T, len(taps) * H], the target's features at positions 0..T-1;
-        emb: [B, T + steps, H], embed(x_0 .. x_{T+steps-1}) (zeros past the sequence);
-        cos, sin: [B, T + steps, 1, D] for positions 0..T+steps-1.
-        Step k (1-based) from anchor p sits at position p + k - 1, reads x_{p+k}, and sees the
-        committed (step-1) keys of positions 0..p and its own chain's keys of steps 2..k.
-        Returns the pre-norm states of each step: a list of ``steps`` [B, T, H]; step k's
-        logits at anchor p predict x_{p+k+1}.
-        """
-        t = taps.shape[1]
-        hidden = self.fuse(taps)  # [B, T, H]
-        keys: list[tuple[Tensor, Tensor]] = []
-        states = []
-        for k in range(steps):
-            attend = _TTTAttention(keys, self.config.group_size)
-            hidden = self.layer(emb[:, k + 1 : k + 1 + t], hidden, cos[:, k : k + t], sin[:, k : k + t], attend)
-            keys.append((attend.k, attend.v))
-            states.append(hidden)
-        return states
-
-
-class _TTTAttention:
-    """Attention of one training-time-test step: causal over the step-1 keys, plus, per anchor,
-    the same anchor's keys of the later steps (a diagonal each). Records its own k, v."""
-
-    def __init__(self, earlier: list[tuple[Tensor, Tensor]], group: int) -> None:
-        self.earlier = earlier
-        self.group = group
-        self.k = self.v = torch.empty(0)
-
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        self.k, self.v = k, v
-        if not self.earlier:  # step 1: plain causal attention
-            t = q.shape[2]
-            return grouped_attention(q, k, v, None if t == 1 else causal_mask(t, self.group, q.device), self.group)
-        b, hq, t, d = q.shape
-        hkv = k.shape[1]
-        qg = q.view(b, hkv, self.group, t, d)  # [B, Hkv, G, T, D]
-        k1, v1 = self.earlier[0]  # [B, Hkv, T, D]
-        scale = d ** -0.5
-        causal = torch.einsum("bhgtd,bhsd->bhgts", qg, k1) * scale  # [B, Hkv, G, T, T]
-        causal = causal.masked_fill(~torch.ones(t, t, dtype=torch.bool, device=q.device).tril(), float("-inf"))
-        chain = [*self.earlier[1:], (k, v)]
-        diag = torch.stack([torch.einsum("bhgtd,bhtd->bhgt", qg, kk) * scale for kk, _ in chain], -1)  # [B, Hkv, G, T, C]
-        w = torch.cat([causal, diag], -1).float().softmax(-1).to(q.dtype)  # [B, Hkv, G, T, T + C]
-        out = torch.einsum("bhgts,bhsd->bhgtd", w[..., :t], v1)
-        for i, (_, vv) in enumerate(chain):
-            out = out + w[..., t + i, None] * vv[:, :, None]  # [B, Hkv, G, T, D]
-        return out.reshape(b, hq, t, d)
-
-
-def causal_mask(t: int, group: int, device: torch.device) -> Tensor:
-    """[G*T, T] causal mask in ``grouped_attention``'s stacked-query order (g * T + t)."""
-    return torch.ones(t, t, dtype=torch.bool, device=device).tril().repeat(group, 1)
-
-
-def ttt_inputs(embed: nn.Embedding, tokens: Tensor, rope_cos: Tensor, rope_sin: Tensor, steps: int,
-               dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    """(emb [B, T + steps, H], cos, sin [B, T + steps, 1, D]) for ``EagleHead.ttt`` from the
-    tokens [B, T] and the target's embedding and RoPE tables."""
-    b, t = tokens.shape
-    with torch.no_grad():
-        emb = embed(tokens.to(embed.weight.device)).to(dtype)  # [B, T, H]
-    emb = torch.cat([emb, emb.new_zeros(b, steps, emb.shape[-1])], 1)  # [B, T + steps, H]
-    pos = torch.arange(t + steps, device=rope_cos.device)
-    cos = rope_cos[pos][None, :, None].expand(b, -1, -1, -1).to(dtype)  # [B, T + steps, 1, D]
-    sin = rope_sin[pos][None, :, None].expand(b, -1, -1, -1).to(dtype)
-    return emb, cos, sin

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from specdraft.errors import ModelFileError, SpecdraftError
-from specdraft.heads.eagle import EagleConfig, EagleHead
+from specdraft.heads.eagle import EagleHead
+from specdraft.heads.feature_head import HeadConfig
 from specdraft.heads.vocab import DraftVocab
 from specdraft.model.config import ModelConfig
 
@@ -88,7 +89,7 @@ def load_eagle(folder: str | Path, target: ModelConfig) -> EagleHead:
             f"{shape[2]} layers ({ours.get('target', '?')}); this model has {target.hidden_size}, {target.vocab_size} "
             f"and {target.num_layers}")
     try:
-        config = EagleConfig(int(raw["hidden_size"]), int(raw["num_attention_heads"]), int(raw["num_key_value_heads"]),
+        config = HeadConfig(int(raw["hidden_size"]), int(raw["num_attention_heads"]), int(raw["num_key_value_heads"]),
                              int(raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]),
                              int(raw["intermediate_size"]), float(raw["rms_norm_eps"]), taps,
                              int(raw["draft_vocab_size"]), int(raw["vocab_size"]), layers)

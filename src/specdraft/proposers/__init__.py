@@ -20,7 +20,7 @@ from specdraft.proposers.draft_model import DraftModelConfig, make_draft_propose
 from specdraft.proposers.layer_skip import LayerSkipConfig, make_layer_skip_proposer
 from specdraft.proposers.retrieval import RestConfig, RestProposer
 from specdraft.proposers.lookahead import LookaheadConfig, LookaheadProposer
-from specdraft.proposers.eagle import EagleOptions, EagleProposer
+from specdraft.proposers.feature_heads import EagleOptions, MtpOptions, eagle_from_context, mtp_from_context
 from specdraft.proposers.medusa import MedusaOptions, MedusaProposer
 from specdraft.proposers.suffix import SuffixConfig, SuffixProposer
 
@@ -50,7 +50,9 @@ METHODS: dict[str, Method] = {
         Method("medusa", "Medusa heads: trained heads on the target's last hidden state guess the next K tokens (chain or tree)",
                MedusaOptions, MedusaProposer.from_context),
         Method("eagle", "EAGLE-3 head: one trained layer over the target's fused low/mid/high features drafts EAGLE-2 dynamic trees (topk=1: a chain)",
-               EagleOptions, EagleProposer.from_context),
+               EagleOptions, eagle_from_context),
+        Method("mtp", "multi-token prediction: a DeepSeek-V3-style MTP module (trained here, or the target's own) chained for several tokens",
+               MtpOptions, mtp_from_context),
         Method("suffix", "suffix decoding: the most frequent continuations of the longest matching suffix (this request and earlier outputs) as a tree",
                SuffixConfig, SuffixProposer.from_context),
     )

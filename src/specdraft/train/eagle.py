@@ -1,4 +1,5 @@
-"""Training an EAGLE-3 head on the target's own answers (``specdraft train eagle``).
+"""Training a feature head on the target's own answers: an EAGLE-3 head (``specdraft train
+eagle``) or an MTP module (``specdraft train mtp``); both run the same training-time test.
 
 Each training sequence (prompt + the target's answer, from ``specdraft train data``) goes
 through the target once (:mod:`.teacher`, kept in memory for later epochs): its taps at the
@@ -20,6 +21,7 @@ EAGLE-3 layout (:mod:`specdraft.heads.eagle_checkpoint`).
 from __future__ import annotations
 
 import json
+import math
 import random
 import sys
 import time
@@ -33,7 +35,10 @@ from torch import Tensor
 from tqdm import tqdm
 
 from specdraft.errors import SpecdraftError
-from specdraft.heads.eagle import EagleConfig, EagleHead, ttt_inputs
+from specdraft.heads.eagle import EagleHead
+from specdraft.heads.feature_head import FeatureHead, ttt_inputs
+from specdraft.heads.mtp import MtpHead
+from specdraft.heads.mtp_checkpoint import save_mtp
 from specdraft.heads.eagle_checkpoint import save_eagle
 from specdraft.model.loader import LoadedModel
 from specdraft.train.common import (TeacherCache, draft_index, draft_vocabulary, reference_pairs, resume,
@@ -44,12 +49,12 @@ from specdraft.train.teacher import TeacherBatch, TeacherConfig, length_batches
 @dataclass(frozen=True, slots=True)
 class EagleTrainConfig:
     draft_vocab: int = 4096
-    steps: int = 4  # training-time test length
+    steps: int = 3  # training-time test length
     step_decay: float = 0.8
     epochs: int = 1
-    lr: float = 5e-4
+    lr: float = 1e-3
     soft_top_k: int = 8
-    batch_tokens: int = 2048
+    batch_tokens: int = 1024
     max_len: int = 768
     seed: int = 0
     taps: tuple[int, ...] = ()  # () = EAGLE-3's choice for the target
@@ -97,14 +102,14 @@ def step_targets(batch: TeacherBatch, k: int, t: int) -> tuple[Tensor, Tensor, T
     return mask, ids, probs
 
 
-def _ttt(head: EagleHead, loaded: LoadedModel, batch: TeacherBatch, steps: int) -> list[Tensor]:
+def _ttt(head: FeatureHead, loaded: LoadedModel, batch: TeacherBatch, steps: int) -> list[Tensor]:
     m = loaded.model
     taps = torch.cat([batch.taps[i] for i in head.config.taps], -1).float()  # [B, T, taps*H]
     emb, cos, sin = ttt_inputs(m.embed, batch.tokens, m.rope_cos, m.rope_sin, steps, torch.float32)
     return head.ttt(taps, emb, cos, sin, steps)
 
 
-def eagle_loss(head: EagleHead, loaded: LoadedModel, batch: TeacherBatch, cfg: EagleTrainConfig,
+def ttt_loss(head: FeatureHead, loaded: LoadedModel, batch: TeacherBatch, cfg: EagleTrainConfig,
                to_draft: Tensor) -> tuple[Tensor, float]:
     """The weighted soft cross-entropy over the training-time test's steps, and step 1's accuracy."""
     states = _ttt(head, loaded, batch, cfg.steps)
@@ -125,7 +130,7 @@ def eagle_loss(head: EagleHead, loaded: LoadedModel, batch: TeacherBatch, cfg: E
 
 
 @torch.no_grad()
-def evaluate(head: EagleHead, loaded: LoadedModel, batches: Seq[TeacherBatch], steps: int) -> ChainMeasure:
+def evaluate(head: FeatureHead, loaded: LoadedModel, batches: Seq[TeacherBatch], steps: int) -> ChainMeasure:
     """The greedy chain's acceptance per draft position and tau on held-out batches."""
     reached = [0] * (steps + 1)  # reached[j]: anchors whose first j steps were all right
     total = 0
@@ -148,6 +153,15 @@ def evaluate(head: EagleHead, loaded: LoadedModel, batches: Seq[TeacherBatch], s
     return ChainMeasure(total, accept, 1.0 + sum(reached[1:]) / total)
 
 
+def learning_rate(peak: float, step: int, total: int, warmup: int = 20, floor: float = 0.1) -> float:
+    """Linear warm-up over ``warmup`` steps, then a cosine down to ``floor * peak`` at ``total``
+    (a function of the step alone, so a resumed run continues the same schedule)."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    done = min(1.0, (step - warmup) / max(total - warmup, 1))
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * done)))
+
+
 def _curve(folder: Path, epoch: int, batch: int, batches: int, m: ChainMeasure) -> None:
     """Append one held-out measure to ``curve.jsonl`` (epochs done, as a fraction, and tau)."""
     row = {"epochs": round(epoch + batch / batches, 4), "tau": round(m.tau, 4),
@@ -157,25 +171,36 @@ def _curve(folder: Path, epoch: int, batch: int, batches: int, m: ChainMeasure) 
 
 
 @torch.no_grad()
-def start_from_target(head: EagleHead, loaded: LoadedModel) -> None:
-    """The head's starting point: its output is the highest tap (``fc`` selects it, the layer's
-    residual branches start at zero), read out through the target's own final norm and LM head
-    restricted to the draft vocabulary; a logit lens that training then moves one token on."""
+def start_from_target(head: FeatureHead, loaded: LoadedModel) -> None:
+    """The head's starting point: its output is its highest tap (EAGLE: ``fc`` selects it; MTP:
+    ``eh_proj`` passes the hidden half), the block's residual branches start at zero, and the
+    target's own final norm and LM head, restricted to the draft vocabulary, read it out; a
+    logit lens that training then moves one token on."""
     h = head.config.hidden_size
-    head.fc.weight.zero_()
-    high = max(range(len(head.config.taps)), key=lambda i: head.config.taps[i])
-    head.fc.weight[:, high * h : (high + 1) * h] = torch.eye(h)
-    head.midlayer.self_attn.o_proj.weight.zero_()
-    head.midlayer.mlp.down_proj.weight.zero_()
+    if isinstance(head, EagleHead):
+        head.fc.weight.zero_()
+        high = max(range(len(head.config.taps)), key=lambda i: head.config.taps[i])
+        head.fc.weight[:, high * h : (high + 1) * h] = torch.eye(h)
+        block = head.midlayer
+    else:
+        assert isinstance(head, MtpHead)
+        head.eh_proj.weight.zero_()
+        head.eh_proj.weight[:, h:] = torch.eye(h)
+        block = head
+    block.self_attn.o_proj.weight.zero_()
+    block.mlp.down_proj.weight.zero_()
     head.norm.weight.copy_(loaded.model.norm.weight.float())
     head.lm_head.weight.copy_(loaded.model.lm_head.weight[head.target_ids].float())
 
 
 def train_eagle(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: EagleTrainConfig,
                 log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
-                prompts_root: str | Path | None = None) -> ChainMeasure:
-    """Train (or resume) an EAGLE-3 head for ``loaded`` on the data folder (plus
-    ``cfg.references`` teacher-forced answers from ``prompts_root``); see the module doc."""
+                prompts_root: str | Path | None = None, kind: str = "eagle") -> ChainMeasure:
+    """Train (or resume) an EAGLE-3 head (``kind`` "eagle") or an MTP module ("mtp"; ``cfg.taps``
+    is then the target's last layer) for ``loaded`` on the data folder (plus ``cfg.references``
+    teacher-forced answers from ``prompts_root``); see the module doc."""
+    if kind not in ("eagle", "mtp"):
+        raise SpecdraftError(f"unknown head kind {kind!r}")
     pairs, held, train_records = splits(data, cfg.limit)
     if cfg.references:
         if prompts_root is None:
@@ -185,7 +210,8 @@ def train_eagle(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: Eag
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     vocab = draft_vocabulary(loaded, train_records, cfg.draft_vocab)
-    head = EagleHead(EagleConfig.for_target(loaded.config, cfg.draft_vocab, cfg.taps or None), vocab)
+    head: FeatureHead = (EagleHead.for_target(loaded.config, vocab, cfg.taps or None) if kind == "eagle"
+                         else MtpHead.for_target(loaded.config, vocab))
     start_from_target(head, loaded)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr)
     progress = resume(folder, cfg.key(), head, opt, {"epoch": 0, "batch": 0})
@@ -201,18 +227,20 @@ def train_eagle(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: Eag
     for epoch in range(progress["epoch"], cfg.epochs):
         order = list(groups)
         random.Random(cfg.seed + epoch).shuffle(order)
-        bar = tqdm(total=len(order), initial=progress["batch"], desc=f"eagle epoch {epoch + 1}/{cfg.epochs}",
+        bar = tqdm(total=len(order), initial=progress["batch"], desc=f"{kind} epoch {epoch + 1}/{cfg.epochs}",
                    unit="batch", file=sys.stderr)
         for b in range(progress["batch"], len(order)):
             if cfg.time_budget_s is not None and time.perf_counter() - t0 > cfg.time_budget_s:
                 save_checkpoint(folder, cfg.key(), head, opt, {"epoch": epoch, "batch": b})
                 bar.close()
-                log(f"eagle: time budget reached at epoch {epoch + 1}, batch {b}; rerun to resume")
+                log(f"{kind}: time budget reached at epoch {epoch + 1}, batch {b}; rerun to resume")
                 return ChainMeasure()
+            for g in opt.param_groups:
+                g["lr"] = learning_rate(cfg.lr, epoch * len(order) + b, cfg.epochs * len(order))
             tb = time.perf_counter()
             batch = cache.batch(order[b])
             teacher_s += time.perf_counter() - tb
-            loss, acc = eagle_loss(head, loaded, batch, cfg, to_draft)
+            loss, acc = ttt_loss(head, loaded, batch, cfg, to_draft)
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -229,8 +257,9 @@ def train_eagle(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: Eag
         save_checkpoint(folder, cfg.key(), head, opt, progress)
     result = evaluate(head, loaded, list(held_cache.all(held_groups)), cfg.eval_steps)
     _curve(folder, cfg.epochs - 1, len(groups), len(groups), result)
-    log(f"eagle: {result.line()}")
-    save_eagle(head, folder, loaded.config, loaded.source.name, dtype=torch.bfloat16,
-               extra={"training": cfg.key(), "held_out": {"tau": result.tau, "accept": result.accept,
-                                                          "positions": result.positions}})
+    log(f"{kind}: {result.line()}")
+    extra = {"training": cfg.key(), "held_out": {"tau": result.tau, "accept": result.accept,
+                                                 "positions": result.positions}}
+    save = save_eagle if kind == "eagle" else save_mtp
+    save(head, folder, loaded.config, loaded.source.name, extra=extra, dtype=torch.bfloat16)  # type: ignore[arg-type]
     return result

@@ -1,4 +1,5 @@
-"""EAGLE-3 drafting (:mod:`specdraft.heads.eagle`): chains, and EAGLE-2's dynamic trees.
+"""Drafting from a feature head (an EAGLE-3 head, :mod:`specdraft.heads.eagle`, or an MTP
+module, :mod:`specdraft.heads.mtp`): chains, and EAGLE-2's dynamic trees.
 
 Each row keeps the head's keys/values of its committed positions (``HeadCache``) and the
 target's tap features of positions it has not fed yet (the prompt after the prefill, then the
@@ -30,8 +31,9 @@ from torch import Tensor
 from specdraft.accept import Acceptance
 from specdraft.draft import Draft
 from specdraft.errors import SpecdraftError
-from specdraft.heads.eagle import EagleHead
 from specdraft.heads.eagle_checkpoint import load_eagle
+from specdraft.heads.feature_head import FeatureHead
+from specdraft.heads.mtp_checkpoint import load_mtp, load_native_mtp
 from specdraft.heads.shipped import shipped_heads
 from specdraft.model.kv_cache import KVCache
 from specdraft.model.transformer import grouped_attention
@@ -50,8 +52,27 @@ class EagleOptions:
     topk: int = 4
 
     def __post_init__(self) -> None:
-        if not 1 <= self.depth <= 32 or not 1 <= self.topk <= 16:
-            raise SpecdraftError(f"eagle: need 1 <= depth <= 32 and 1 <= topk <= 16, got {self.depth}, {self.topk}")
+        _check_tree(self.depth, self.topk, "eagle")
+
+
+@dataclass(frozen=True, slots=True)
+class MtpOptions:
+    """path: an MTP module folder (``specdraft train mtp``; empty: the one shipped for the
+    model); native: use the MTP layer the target's own checkpoint ships (DeepSeek-V3,
+    Qwen3-Next or MiMo names) instead. depth, topk: as for eagle (the module is chained)."""
+
+    path: str = ""
+    native: bool = False
+    depth: int = 4
+    topk: int = 1
+
+    def __post_init__(self) -> None:
+        _check_tree(self.depth, self.topk, "mtp")
+
+
+def _check_tree(depth: int, topk: int, name: str) -> None:
+    if not 1 <= depth <= 32 or not 1 <= topk <= 16:
+        raise SpecdraftError(f"{name}: need 1 <= depth <= 32 and 1 <= topk <= 16, got {depth}, {topk}")
 
 
 class HeadCache:
@@ -88,10 +109,10 @@ class HeadCache:
         return run
 
 
-class EagleProposer:
-    name = "eagle"
-
-    def __init__(self, head: EagleHead, context: ProposerContext, options: EagleOptions) -> None:
+class FeatureHeadProposer:
+    def __init__(self, head: FeatureHead, context: ProposerContext, options: EagleOptions | MtpOptions,
+                 name: str = "eagle") -> None:
+        self.name = name
         target = context.target
         self.head = head.to(device=target.device, dtype=target.dtype).eval()
         if getattr(target.lm_head, "packed", None) is not None:  # the target runs packed: so does the head
@@ -99,6 +120,7 @@ class EagleProposer:
                 if hasattr(m, "pack"):
                     m.pack()
         self.features = FeatureRequest(taps=head.config.taps, prompt=True)
+        self.label = name
         self.embed = target.embed
         self.cos, self.sin = target.rope_cos, target.rope_sin  # [S, D]
         self.options = options
@@ -106,16 +128,6 @@ class EagleProposer:
         self.cache = HeadCache(head.config.num_kv_heads, head.config.head_dim, target.dtype, target.device)
         self.length: dict[int, int] = {}  # row -> committed head entries
         self.pending: dict[int, list[Tensor]] = {}  # row -> [P, taps * H] features not yet fed
-
-    @classmethod
-    def from_context(cls, options: EagleOptions, context: ProposerContext | None) -> "EagleProposer":
-        if context is None:
-            raise SpecdraftError("method 'eagle' needs the target model")
-        path = options.path or (shipped_heads("eagle", context.source) if context.source else None)
-        if not path:
-            raise SpecdraftError("method 'eagle' needs a trained head for this model: pass --opt path=DIR "
-                                 "(made by `specdraft train eagle`)")
-        return cls(load_eagle(path, context.target.config), context, options)
 
     # -- row lifecycle -------------------------------------------------------------------------
     def begin(self, row: int, seq: Sequence) -> None:
@@ -153,13 +165,13 @@ class EagleProposer:
         state, logp = self._feed_pending(rows, [seqs[r] for r in rows], k * depth)  # [R, H], [R, N]
         tokens, parents, scores = self._grow(rows, state, logp, depth, k)  # [R, M] each
         for i, r in enumerate(rows):
-            drafts[r] = _best_tree(tokens[i], parents[i], scores[i], budgets[r])
+            drafts[r] = _best_tree(tokens[i], parents[i], scores[i], budgets[r], self.label)
         return drafts
 
     def _feed_pending(self, rows: list[int], seqs: list[Sequence], scratch: int) -> tuple[Tensor, Tensor]:
         """Feed each row's exact entries (with room for ``scratch`` drafted ones after them);
         return the anchor's state [R, H] and log-probs [R, N]."""
-        dev = self.head.fc.weight.device
+        dev = self.embed.weight.device
         feats = [torch.cat(self.pending[r]) for r in rows]  # [P_r, taps * H]
         width = max(len(f) for f in feats)
         starts = [self.length[r] for r in rows]
@@ -223,7 +235,7 @@ class EagleProposer:
         return ids.cpu(), torch.cat(parents, 1).cpu(), torch.cat(scores, 1).float().cpu()
 
 
-def _best_tree(tokens: Tensor, parents: Tensor, scores: Tensor, budget: int) -> Draft:
+def _best_tree(tokens: Tensor, parents: Tensor, scores: Tensor, budget: int, label: str) -> Draft:
     """The ``budget`` nodes of highest score (ties: earlier first), in creation order. A child
     scores at most its parent and comes later, so the chosen set holds every chosen node's
     parent. tokens, parents, scores: [M]."""
@@ -232,4 +244,30 @@ def _best_tree(tokens: Tensor, parents: Tensor, scores: Tensor, budget: int) -> 
     index = {old: new for new, old in enumerate(keep)}
     toks = [int(tokens[i]) for i in keep]
     pars = [-1 if int(parents[i]) < 0 else index[int(parents[i])] for i in keep]
-    return Draft(tuple(toks), tuple(pars), label="eagle")
+    return Draft(tuple(toks), tuple(pars), label=label)
+
+
+def eagle_from_context(options: EagleOptions, context: ProposerContext | None) -> FeatureHeadProposer:
+    if context is None:
+        raise SpecdraftError("method 'eagle' needs the target model")
+    path = options.path or (shipped_heads("eagle", context.source) if context.source else None)
+    if not path:
+        raise SpecdraftError("method 'eagle' needs a trained head for this model: pass --opt path=DIR "
+                             "(made by `specdraft train eagle`)")
+    return FeatureHeadProposer(load_eagle(path, context.target.config), context, options, "eagle")
+
+
+def mtp_from_context(options: MtpOptions, context: ProposerContext | None) -> FeatureHeadProposer:
+    if context is None:
+        raise SpecdraftError("method 'mtp' needs the target model")
+    target = context.target
+    if options.native:
+        if options.path:
+            raise SpecdraftError("mtp: give path= or native=true, not both")
+        head = load_native_mtp(context.source, target.config, target.lm_head.weight)
+        return FeatureHeadProposer(head, context, options, "mtp")
+    path = options.path or (shipped_heads("mtp", context.source) if context.source else None)
+    if not path:
+        raise SpecdraftError("method 'mtp' needs a trained module for this model: pass --opt path=DIR (made by "
+                             "`specdraft train mtp`) or --opt native=true for a model that ships one")
+    return FeatureHeadProposer(load_mtp(path, target.config), context, options, "mtp")
