@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The exact commands that made the trained heads shipped for the default model
+# (src/specdraft/weights/SmolLM2-135M-Instruct.Q4_1/<method>/). Each step resumes when rerun.
+# On 2 CPU cores: the data takes ~10 hours (in sessions of ~1 hour), each head ~1 hour.
+# Run one step at a time: two torch processes on 2 cores slow each other 10-20x.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PROMPTS=${PROMPTS:-../shared/datasets/train}   # the training prompt sets (see train-data/README.md)
+DATA=train-data/smollm2-135m-bf16
+WEIGHTS=src/specdraft/weights/SmolLM2-135M-Instruct.Q4_1
+
+# 1. the target's own answers (greedy and sampled at 0.7), resumable shards
+.venv/bin/specdraft train data --prompts "$PROMPTS" --out "$DATA" --dtype bfloat16 --batch-size 32 --threads 2 \
+  --time-budget 5400
+
+# 2. the EAGLE-3 head: the first 3,940 train answers (what the data held when it was trained), 2 epochs
+.venv/bin/specdraft train eagle --data "$DATA" --out runs/eagle-main --limit 3940 --dtype bfloat16 --threads 2 \
+  --epochs 2 --lr 1e-3 --batch-tokens 1024 --steps 3
+mkdir -p "$WEIGHTS/eagle"
+cp runs/eagle-main/config.json runs/eagle-main/model.safetensors "$WEIGHTS/eagle/"
