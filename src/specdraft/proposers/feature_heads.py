@@ -36,8 +36,8 @@ from specdraft.heads.feature_head import FeatureHead
 from specdraft.heads.mtp_checkpoint import load_mtp, load_native_mtp
 from specdraft.heads.shipped import shipped_heads
 from specdraft.model.kv_cache import KVCache
-from specdraft.model.transformer import grouped_attention
 from specdraft.proposers.base import FeatureRequest, Features, ProposerContext, Verified
+from specdraft.proposers.head_state import HeadCache, PendingTaps
 from specdraft.sequence import Sequence
 
 
@@ -75,40 +75,6 @@ def _check_tree(depth: int, topk: int, name: str) -> None:
         raise SpecdraftError(f"{name}: need 1 <= depth <= 32 and 1 <= topk <= 16, got {depth}, {topk}")
 
 
-class HeadCache:
-    """The head's keys/values per row: [rows, Hkv, capacity, D], grown on demand."""
-
-    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.k = torch.zeros(0, kv_heads, 0, head_dim, dtype=dtype, device=device)
-        self.v = self.k.clone()
-
-    def ensure(self, rows: int, capacity: int) -> None:
-        r, h, cap, d = self.k.shape
-        if rows <= r and capacity <= cap:
-            return
-        shape = (max(rows, r), h, max(capacity, 2 * cap, 64), d)
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            new = old.new_zeros(shape)
-            new[:r, :, :cap] = old
-            setattr(self, name, new)
-
-    def attend(self, rows: Tensor, slots: Tensor, visible: Tensor, group: int):
-        """An ``attend`` for ``EagleHead.layer``: writes the new keys/values of row ``rows[i]``
-        at ``slots[i]`` ([R, Q]) and lets query j see the keys where ``visible[i, j]`` ([R, Q, S])."""
-
-        def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # q [R, Hq, Q, D]; k, v [R, Hkv, Q, D]
-            r_idx = rows[:, None].expand_as(slots)  # [R, Q]
-            self.k[r_idx, :, slots] = k.transpose(1, 2).to(self.k.dtype)  # [R, Q, Hkv, D]
-            self.v[r_idx, :, slots] = v.transpose(1, 2).to(self.v.dtype)
-            s = visible.shape[-1]
-            keys, values = self.k[rows, :, :s], self.v[rows, :, :s]  # [R, Hkv, S, D]
-            mask = visible.repeat(1, group, 1)[:, None]  # [R, 1, G*Q, S]
-            return grouped_attention(q, keys.to(q.dtype), values.to(q.dtype), mask, group)
-
-        return run
-
-
 class FeatureHeadProposer:
     def __init__(self, head: FeatureHead, context: ProposerContext, options: EagleOptions | MtpOptions,
                  name: str = "eagle") -> None:
@@ -126,38 +92,30 @@ class FeatureHeadProposer:
         self.options = options
         self.vocab_ids = head.target_ids.to(target.device)  # [N]
         self.cache = HeadCache(head.config.num_kv_heads, head.config.head_dim, target.dtype, target.device)
-        self.length: dict[int, int] = {}  # row -> committed head entries
-        self.pending: dict[int, list[Tensor]] = {}  # row -> [P, taps * H] features not yet fed
+        self.rows = PendingTaps(head.config.taps)
 
     # -- row lifecycle -------------------------------------------------------------------------
     def begin(self, row: int, seq: Sequence) -> None:
-        self.length[row] = 0
-        self.pending[row] = []
+        self.rows.begin(row)
 
     def prefilled(self, row: int, features: Features) -> None:
-        self.pending[row].append(self._taps(features.taps, slice(None)))
+        self.rows.prefilled(row, features)
 
     def observe(self, row: int, draft: Draft, acceptance: Acceptance, verified: Verified) -> None:
-        slots = torch.tensor([0, *(i + 1 for i in acceptance.path)], device=verified.hidden.device)
-        self.pending[row].append(self._taps(verified.taps, slots))
+        self.rows.observe(row, acceptance, verified)
 
     def end(self, row: int) -> None:
-        self.length.pop(row, None)
-        self.pending.pop(row, None)
+        self.rows.end(row)
 
     def memory_bytes(self) -> int:
         params = sum(p.numel() * p.element_size() for p in self.head.parameters())
-        return params + self.cache.k.numel() * self.cache.k.element_size() * 2
-
-    def _taps(self, taps: dict[int, Tensor], index: slice | Tensor) -> Tensor:
-        return torch.cat([taps[t][index] for t in self.head.config.taps], dim=-1)  # [P, taps * H]
+        return params + self.cache.nbytes
 
     # -- drafting --------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, seqs: Seq[Sequence | None], budgets: Seq[int], cache: KVCache) -> list[Draft]:
         drafts = [Draft.empty() for _ in seqs]
-        rows = [r for r, (s, b) in enumerate(zip(seqs, budgets))
-                if s is not None and b > 0 and self.pending.get(r)]
+        rows = [r for r, (s, b) in enumerate(zip(seqs, budgets)) if s is not None and b > 0 and self.rows.ready(r)]
         if not rows:
             return drafts
         depth = min(self.options.depth, max(budgets[r] for r in rows))
@@ -172,9 +130,8 @@ class FeatureHeadProposer:
         """Feed each row's exact entries (with room for ``scratch`` drafted ones after them);
         return the anchor's state [R, H] and log-probs [R, N]."""
         dev = self.embed.weight.device
-        feats = [torch.cat(self.pending[r]) for r in rows]  # [P_r, taps * H]
+        feats, starts = self.rows.take(rows)  # [P_r, taps * H] each; each row's first new slot
         width = max(len(f) for f in feats)
-        starts = [self.length[r] for r in rows]
         self.cache.ensure(max(rows) + 1, max(starts) + width + scratch + 1)
         taps = torch.zeros(len(rows), width, feats[0].shape[-1], dtype=feats[0].dtype, device=dev)  # [R, P, taps*H]
         ids = torch.zeros(len(rows), width, dtype=torch.long)  # [R, P]
@@ -186,9 +143,6 @@ class FeatureHeadProposer:
         out = self._run(rows, ids.to(dev), self.head.fuse(taps), slots, slots, visible)  # [R, P, H]
         last = torch.tensor([len(f) - 1 for f in feats], device=dev)
         state = out[torch.arange(len(rows), device=dev), last]  # [R, H]
-        for r, f in zip(rows, feats):
-            self.length[r] += len(f)
-            self.pending[r] = []
         return state, self.head.logits(state).log_softmax(-1)
 
     def _run(self, rows: list[int], ids: Tensor, hidden: Tensor, positions: Tensor, slots: Tensor,
@@ -210,7 +164,7 @@ class FeatureHeadProposer:
         tokens, parents, scores = [top.indices], [torch.full((r_n, k), -1, device=dev)], [top.values]
         front = torch.arange(k, device=dev).expand(r_n, k)  # [R, k] frontier node ids
         front_state = state[:, None].expand(r_n, k, -1)  # [R, k, H] the frontier's parents' states
-        base = torch.tensor([self.length[r] for r in rows], device=dev)  # [R] first scratch slot
+        base = torch.tensor([self.rows.length[r] for r in rows], device=dev)  # [R] first scratch slot
         prefix = torch.arange(int(base.max()) + k * depth, device=dev)[None, :] < base[:, None]  # [R, S]
         seen = torch.zeros(r_n, k, prefix.shape[1], dtype=torch.bool, device=dev)  # [R, k, S] ancestors' slots
         count = k
