@@ -89,6 +89,21 @@ def add_train_commands(sub: argparse._SubParsersAction, add_model_options) -> No
         e.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
         add_model_options(e)
         e.set_defaults(func=cmd_train_head, kind=kind)
+    a = actions.add_parser("layer-skip", help="train an early-exit adapter for self-speculation (Kangaroo; resumable)",
+                           description="One attention layer and a norm between the target's first L layers and its LM "
+                                       "head learn the target's own next-token distribution, so that layer-skip "
+                                       "drafts are accepted. Rerun the same command to resume after an interrupt.")
+    a.add_argument("--data", required=True, metavar="DIR", help="a folder written by `specdraft train data`")
+    a.add_argument("--out", required=True, metavar="DIR", help="output folder (checkpoint, then config.json + model.safetensors)")
+    a.add_argument("--exit-layer", type=int, default=4, help="L, the target layers that draft (default: 4)")
+    a.add_argument("--epochs", type=int, default=1, help="passes over the train split (default: 1)")
+    a.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate (default: 0.001)")
+    a.add_argument("--limit", type=int, default=None, help="train answers used (default: all)")
+    a.add_argument("--batch-tokens", type=int, default=1024, help="padded tokens per batch (default: 1024)")
+    a.add_argument("--time-budget", type=float, default=None, metavar="SECONDS", help="stop with a checkpoint after this long")
+    a.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
+    add_model_options(a)
+    a.set_defaults(func=cmd_train_adapter)
     x = actions.add_parser("export", help="write trained heads in another engine's layout",
                            description="eagle3: SpecForge / SGLang / vLLM (LlamaForCausalLMEagle3; what `train eagle` "
                                        "already writes); speculators: the speculators library's EAGLE-3 format; "
@@ -192,6 +207,19 @@ def cmd_train_head(args: argparse.Namespace) -> int:
                            references=args.references, time_budget_s=args.time_budget)
     result = train_eagle(_teacher(args), args.data, args.out, cfg, prompts_root=args.prompts, kind=args.kind)
     print(f"train {args.kind}: {result.line()} -> {args.out}")
+    return 0
+
+
+def cmd_train_adapter(args: argparse.Namespace) -> int:
+    from specdraft.train.adapter import AdapterTrainConfig, train_adapter
+
+    cfg = AdapterTrainConfig(exit_layer=args.exit_layer, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
+                             seed=args.seed, limit=args.limit, time_budget_s=args.time_budget)
+    loaded = _teacher(args)
+    if not 1 <= cfg.exit_layer < loaded.config.num_layers:
+        raise SpecdraftError(f"--exit-layer must be in 1..{loaded.config.num_layers - 1}, got {cfg.exit_layer}")
+    result = train_adapter(loaded, args.data, args.out, cfg)
+    print(f"train layer-skip: {result.line()} -> {args.out}")
     return 0
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,12 @@ from specdraft.model.kv_cache import KVCache
 from specdraft.model.transformer import Transformer
 from specdraft.sampling import probabilities
 from specdraft.sequence import Sequence
+
+
+class StepDrafter(Protocol):
+    """What ``draft_chains`` drives: one token per row in, the drafter's logits after it out."""
+
+    def step(self, tokens: list[int]) -> Tensor: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +101,7 @@ def plan_rows(seqs: Seq[Sequence | None], budgets: Seq[int], branches: int) -> l
 
 
 def draft_chains(
-    drafter: Drafter, root_logits: Tensor, seqs: Seq[Sequence | None], budgets: Seq[int], branches: int, vocab: int
+    drafter: StepDrafter, root_logits: Tensor, seqs: Seq[Sequence | None], budgets: Seq[int], branches: int, vocab: int
 ) -> Drafted:
     """Draft every row's chain (see the module doc). root_logits: [B, V_draft], the drafter's
     logits after each row's root. ``vocab``: the target's logits width (for ``p_draft``)."""

@@ -11,6 +11,12 @@ attend to the target's own keys and values of the committed prefix, as skip-the-
 self-speculation does (Draft & Verify, SWIFT): only the drafted positions see the skip. Chain
 drafting, greedy and sampled, is shared with the draft-model proposer (:mod:`.autoregressive`).
 
+With a trained adapter (Kangaroo, :mod:`specdraft.heads.adapter`) the early exit reads layer
+L's state through one attention layer and a norm of its own before the target's LM head. The
+adapter keeps its own keys/values per row: exact entries from the target's layer-L features
+at committed positions (asked for as a tap and fed at the next proposal, as the feature heads
+do), scratch entries for the drafted positions. An adapter sets L (its exit layer).
+
 The default L comes from a measurement on SmolLM2-135M (30 layers): see
 ``results/layer-skip`` and ``docs/methods/layer-skip.md``.
 """
@@ -21,14 +27,18 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from specdraft.accept import Acceptance
 from specdraft.draft import Draft
 from specdraft.errors import SpecdraftError
 from specdraft.model.kv_cache import KVCache
 from specdraft.model.transformer import Transformer
-from specdraft.proposers.autoregressive import Drafter, draft_chains
-from specdraft.proposers.base import ProposerContext, Verified
+from specdraft.heads.adapter import ExitAdapter, load_adapter
+from specdraft.heads.shipped import shipped_heads
+from specdraft.proposers.autoregressive import Drafter, StepDrafter, draft_chains
+from specdraft.proposers.base import NO_FEATURES, FeatureRequest, Features, ProposerContext, Verified
+from specdraft.proposers.head_state import HeadCache, PendingTaps
 from specdraft.sequence import Sequence
 
 DEFAULT_LAYERS = 4  # chosen by the sweep in results/layer-skip (see the module doc)
@@ -40,11 +50,14 @@ class LayerSkipConfig:
     drafts that are accepted less often). last: also run the target's last ``last`` layers,
     skipping the block in between (0 = early exit; layers + last <= num_layers - 1).
     branches: candidates at the first draft position (1 = a chain; b > 1 = a tree whose first
-    candidate continues as the chain)."""
+    candidate continues as the chain). adapter: a trained early-exit adapter (``specdraft train
+    layer-skip``; empty: the one shipped for the model if any; ``none``: the untrained exit); it
+    sets ``layers`` to its exit layer."""
 
     layers: int = DEFAULT_LAYERS
     branches: int = 1
     last: int = 0
+    adapter: str = ""  # a trained adapter folder; "" = the one shipped for the model, if any; "none" = untrained
 
     def __post_init__(self) -> None:
         if not isinstance(self.layers, int) or self.layers < 1:
@@ -58,8 +71,12 @@ class LayerSkipConfig:
 class LayerSkipProposer:
     name = "layer-skip"
 
-    def __init__(self, target: Transformer, layers: int, branches: int = 1, last: int = 0) -> None:
+    def __init__(self, target: Transformer, layers: int, branches: int = 1, last: int = 0,
+                 adapter: ExitAdapter | None = None) -> None:
         total = target.config.num_layers
+        if adapter is not None and (last or adapter.config.exit_layer != layers):
+            raise SpecdraftError(f"layer-skip: the adapter exits after layer {adapter.config.exit_layer}; "
+                                 f"got layers={layers}, last={last}")
         if not 1 <= layers < total:
             raise SpecdraftError(f"layer-skip: layers must be in 1..{total - 1} for this {total}-layer model, got {layers}")
         if layers + last >= total:
@@ -69,19 +86,29 @@ class LayerSkipProposer:
         self.layers = layers
         self.branches = branches
         self.layer_ids = (*range(layers), *range(total - last, total))  # the layers that draft
+        self.adapter = None if adapter is None else adapter.to(device=target.device, dtype=target.dtype).eval()
+        self.features = NO_FEATURES if adapter is None else FeatureRequest(taps=(layers,), prompt=True)
+        self.rows = PendingTaps((layers,))
+        c = target.config
+        self.cache = HeadCache(c.num_kv_heads, c.head_dim, target.dtype, target.device)
 
     def begin(self, row: int, seq: Sequence) -> None:
-        pass
+        self.rows.begin(row)
+
+    def prefilled(self, row: int, features: Features) -> None:
+        self.rows.prefilled(row, features)
 
     def end(self, row: int) -> None:
-        pass
+        self.rows.end(row)
 
     @torch.inference_mode()
     def propose(self, seqs: Seq[Sequence | None], budgets: Seq[int], cache: KVCache) -> list[Draft]:
         if not any(s is not None and b > 0 for s, b in zip(seqs, budgets)):
             return [Draft.empty() for _ in seqs]
         committed = list(cache.lengths)
-        drafter = Drafter(self.target, cache, layers=self.layer_ids)
+        drafter: StepDrafter = Drafter(self.target, cache, layers=self.layer_ids)
+        if self.adapter is not None:
+            drafter = self._adapted(seqs, budgets, cache)
         try:
             root_logits = drafter.step([s.tokens[-1] if s is not None else 0 for s in seqs])  # [B, V]
             vocab = self.target.config.vocab_size
@@ -89,14 +116,79 @@ class LayerSkipProposer:
         finally:
             cache.truncate(committed)
 
+    def _adapted(self, seqs: Seq[Sequence | None], budgets: Seq[int], cache: KVCache) -> "_AdaptedDrafter":
+        """Feed the drafting rows' pending exact entries to the adapter; a drafter over it."""
+        assert self.adapter is not None
+        rows = [r for r, (s, b) in enumerate(zip(seqs, budgets)) if s is not None and b > 0 and self.rows.ready(r)]
+        pending = max((sum(len(p) for p in self.rows.pending.get(r, [])) for r in rows), default=0)
+        lengths = [self.rows.length.get(r, 0) for r in range(len(seqs))]
+        self.cache.ensure(len(seqs), max(lengths) + pending + max(budgets) + 2)
+        if rows:
+            feats, starts = self.rows.take(rows)
+            width = max(len(f) for f in feats)
+            dev = self.target.device
+            h = torch.zeros(len(rows), width, feats[0].shape[-1], dtype=self.target.dtype, device=dev)  # [R, P, H]
+            for i, f in enumerate(feats):
+                h[i, : len(f)] = f
+            slots = torch.tensor(starts, device=dev)[:, None] + torch.arange(width, device=dev)  # [R, P]
+            visible = torch.arange(int(slots.max()) + 1, device=dev)[None, None, :] <= slots[:, :, None]  # [R, P, S]
+            _adapter_step(self.adapter, self.target, self.cache, rows, h, slots, slots, visible)
+        base = torch.tensor([self.rows.length.get(r, 0) for r in range(len(seqs))], device=self.target.device)
+        return _AdaptedDrafter(self, cache, base)
+
     def observe(self, row: int, draft: Draft, acceptance: Acceptance, verified: Verified) -> None:
-        pass  # nothing to roll back: the target's cache is the engine's
+        if self.adapter is not None:
+            self.rows.observe(row, acceptance, verified)  # the target's cache is the engine's: nothing to roll back
 
     def memory_bytes(self) -> int:
-        return 0
+        if self.adapter is None:
+            return 0
+        return sum(p.numel() * p.element_size() for p in self.adapter.parameters()) + self.cache.nbytes
+
+
+def _adapter_step(adapter: ExitAdapter, target: Transformer, cache: HeadCache, rows: list[int], h: Tensor,
+                  positions: Tensor, slots: Tensor, visible: Tensor) -> Tensor:
+    """The adapter over layer-L states h [R, Q, H] at positions / slots [R, Q], seeing ``visible``
+    [R, Q, S] of its cache: pre-norm states [R, Q, H]."""
+    cos = target.rope_cos[positions].unsqueeze(2).to(h.dtype)  # [R, Q, 1, D]
+    sin = target.rope_sin[positions].unsqueeze(2).to(h.dtype)
+    rows_t = torch.tensor(rows, device=h.device)
+    return adapter.layer(h, cos, sin, cache.attend(rows_t, slots, visible, adapter.config.group_size))
+
+
+class _AdaptedDrafter:
+    """The early exit through the adapter: each step feeds one token per row through the
+    target's first L layers (on the target's cache) and the adapter (on its own, at scratch
+    slots after the row's committed entries, each seeing the row's earlier scratch)."""
+
+    def __init__(self, owner: LayerSkipProposer, cache: KVCache, base: Tensor) -> None:
+        self.owner, self.cache, self.base = owner, cache, base  # base: [B] first scratch slot per row
+        self.steps = 0
+
+    def step(self, tokens: list[int]) -> Tensor:
+        o = self.owner
+        assert o.adapter is not None
+        dev = o.target.device
+        positions = self.cache.lengths_tensor()[:, None]  # [B, 1]
+        out = o.target(torch.tensor(tokens, device=dev)[:, None], positions, self.cache, layers=o.layer_ids,
+                       logits=False, return_hidden=(o.layers,))
+        slots = self.base[:, None] + self.steps  # [B, 1]
+        keys = torch.arange(int(slots.max()) + 1, device=dev)[None, None, :]  # [1, 1, S]
+        visible = (keys < self.base[:, None, None]) | ((keys >= self.base[:, None, None]) & (keys <= slots[:, :, None]))
+        h = _adapter_step(o.adapter, o.target, o.cache, list(range(len(tokens))), out.hidden[o.layers], positions,
+                          slots, visible)  # [B, 1, H]
+        self.steps += 1
+        return o.adapter.logits(h[:, -1], o.target.lm_head)  # [B, V]
 
 
 def make_layer_skip_proposer(config: LayerSkipConfig, context: ProposerContext | None) -> LayerSkipProposer:
     if context is None:
         raise SpecdraftError("method 'layer-skip' needs the target model (a ProposerContext)")
-    return LayerSkipProposer(context.target, config.layers, config.branches, config.last)
+    adapter = None
+    if config.adapter != "none":
+        path = config.adapter or (shipped_heads("layer-skip", context.source) if context.source else None)
+        adapter = load_adapter(path, context.target.config) if path else None
+    layers = config.layers
+    if adapter is not None and layers == DEFAULT_LAYERS:
+        layers = adapter.config.exit_layer
+    return LayerSkipProposer(context.target, layers, config.branches, config.last, adapter)

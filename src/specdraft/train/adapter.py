@@ -1,0 +1,151 @@
+"""Training a Kangaroo early-exit adapter for self-speculation (``specdraft train layer-skip``).
+
+Each training sequence goes through the target once (:mod:`.teacher`): its layer-L states
+(tap L) and its next-token distribution (top ``soft_top_k``) at every position. The adapter
+(:mod:`specdraft.heads.adapter`) runs causally over the layer-L states and, through the
+target's own LM head, learns the target's distribution at the same position. No
+training-time test is needed: when drafting, the early layers run on the drafted tokens, so a
+drafted position's input is exactly what training sees whenever the draft so far is right.
+
+Held-out measure (the validation split's greedy answers): how often the adapter's top token is
+the target's greedy token (the acceptance of each draft position given the earlier ones were
+right), and the greedy chain's tau up to ``eval_steps`` tokens.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence as Seq
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from specdraft.errors import SpecdraftError
+from specdraft.heads.adapter import AdapterConfig, ExitAdapter, save_adapter
+from specdraft.heads.feature_head import causal_mask
+from specdraft.model.loader import LoadedModel
+from specdraft.model.transformer import grouped_attention
+from specdraft.train.common import TeacherCache, resume, save_checkpoint, soft_cross_entropy, splits
+from specdraft.train.eagle import ChainMeasure, learning_rate
+from specdraft.train.teacher import TeacherBatch, TeacherConfig, length_batches
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterTrainConfig:
+    exit_layer: int = 4
+    epochs: int = 1
+    lr: float = 1e-3
+    soft_top_k: int = 8
+    batch_tokens: int = 1024
+    max_len: int = 768
+    seed: int = 0
+    eval_steps: int = 6
+    checkpoint_every: int = 20
+    limit: int | None = None
+    time_budget_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.lr <= 0 or self.soft_top_k < 1 or self.checkpoint_every < 1 or self.eval_steps < 1:
+            raise SpecdraftError("epochs, soft_top_k, eval_steps and checkpoint_every must be >= 1 and lr > 0")
+
+    def key(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if k != "time_budget_s"}
+
+
+def adapter_logits(adapter: ExitAdapter, loaded: LoadedModel, batch: TeacherBatch) -> Tensor:
+    """The adapter's logits [B, T, V] over a teacher batch (causal over each row)."""
+    m = loaded.model
+    h = batch.taps[adapter.config.exit_layer].float()  # [B, T, H]
+    t = h.shape[1]
+    cos = m.rope_cos[:t][None, :, None].float()  # [1, T, 1, D]
+    sin = m.rope_sin[:t][None, :, None].float()
+    group = adapter.config.group_size
+
+    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return grouped_attention(q, k, v, None if t == 1 else causal_mask(t, group, q.device), group)
+
+    prenorm = adapter.layer(h, cos, sin, attend)
+    return torch.nn.functional.linear(adapter.norm(prenorm), m.lm_head.weight.float())  # [B, T, V]
+
+
+@torch.no_grad()
+def evaluate(adapter: ExitAdapter, loaded: LoadedModel, batches: Seq[TeacherBatch], steps: int) -> ChainMeasure:
+    reached = [0] * (steps + 1)
+    for batch in batches:
+        assert batch.top_ids is not None
+        right = adapter_logits(adapter, loaded, batch).argmax(-1) == batch.top_ids[..., 0].long()  # [B, T]
+        b, t = right.shape
+        valid = torch.zeros(b, t, dtype=torch.bool)
+        valid[:, : t - steps + 1] = batch.answer[:, steps - 1 :]  # every step's label predicts an answer token
+        valid &= batch.answer
+        lead = torch.ones_like(valid)
+        reached[0] += int(valid.sum())
+        for k in range(steps):
+            ok = torch.zeros_like(valid)
+            ok[:, : t - k] = right[:, k:]
+            lead &= ok
+            reached[k + 1] += int((lead & valid).sum())
+    if not reached[0]:
+        return ChainMeasure()
+    accept = [reached[k] / max(reached[k - 1], 1) for k in range(1, steps + 1)]
+    return ChainMeasure(reached[0], accept, 1.0 + sum(reached[1:]) / reached[0])
+
+
+def train_adapter(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: AdapterTrainConfig,
+                  log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> ChainMeasure:
+    """Train (or resume) an early-exit adapter for ``loaded``; see the module doc."""
+    pairs, held, _ = splits(data, cfg.limit)
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    adapter = ExitAdapter(AdapterConfig.for_target(loaded.config, cfg.exit_layer)).start_from(loaded.model.norm.weight)
+    opt = torch.optim.AdamW(adapter.parameters(), lr=cfg.lr)
+    progress = resume(folder, cfg.key(), adapter, opt, {"epoch": 0, "batch": 0})
+    teacher = TeacherConfig(taps=(cfg.exit_layer,), top_k=cfg.soft_top_k, batch_tokens=cfg.batch_tokens,
+                            max_len=cfg.max_len)
+    cache = TeacherCache(loaded, pairs, teacher, keep=cfg.epochs > 1)
+    everything = torch.arange(loaded.config.vocab_size)
+    groups = length_batches([len(p) + len(a) for p, a in pairs], cfg.batch_tokens)
+    t0 = time.perf_counter()
+    for epoch in range(progress["epoch"], cfg.epochs):
+        order = list(groups)
+        random.Random(cfg.seed + epoch).shuffle(order)
+        bar = tqdm(total=len(order), initial=progress["batch"], desc=f"layer-skip adapter epoch {epoch + 1}/{cfg.epochs}",
+                   unit="batch", file=sys.stderr)
+        for b in range(progress["batch"], len(order)):
+            if cfg.time_budget_s is not None and time.perf_counter() - t0 > cfg.time_budget_s:
+                save_checkpoint(folder, cfg.key(), adapter, opt, {"epoch": epoch, "batch": b})
+                bar.close()
+                log(f"layer-skip: time budget reached at epoch {epoch + 1}, batch {b}; rerun to resume")
+                return ChainMeasure()
+            for g in opt.param_groups:
+                g["lr"] = learning_rate(cfg.lr, epoch * len(order) + b, cfg.epochs * len(order))
+            batch = cache.batch(order[b])
+            assert batch.top_ids is not None and batch.top_probs is not None
+            mask = batch.answer.clone()  # (the teacher's tensors are inference tensors: not saved for backward)
+            logits = adapter_logits(adapter, loaded, batch)[mask]  # [P, V]
+            loss = soft_cross_entropy(logits, batch.top_ids[mask].long(), batch.top_probs[mask], everything)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
+            bar.update(1)
+            if (b + 1) % cfg.checkpoint_every == 0:
+                save_checkpoint(folder, cfg.key(), adapter, opt, {"epoch": epoch, "batch": b + 1})
+        bar.close()
+        progress = {"epoch": epoch + 1, "batch": 0}
+        save_checkpoint(folder, cfg.key(), adapter, opt, progress)
+    held_cache = TeacherCache(loaded, held, teacher, keep=False)
+    result = evaluate(adapter, loaded, list(held_cache.all(length_batches([len(p) + len(a) for p, a in held],
+                                                                          cfg.batch_tokens))), cfg.eval_steps)
+    log(f"layer-skip: {result.line()}")
+    save_adapter(adapter, folder, loaded.source.name, dtype=torch.bfloat16,
+                 extra={"training": cfg.key(), "held_out": {"tau": result.tau, "accept": result.accept,
+                                                            "positions": result.positions}})
+    return result
