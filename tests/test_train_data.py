@@ -321,6 +321,10 @@ def test_eagle_training_learns_saves_resumes_and_refuses_other_settings(
     assert trained.tau > evaluate(start, tiny, batches, 3).tau + 0.1
     with pytest.raises(SpecdraftError, match="other settings"):
         train_eagle(tiny, data, out, EagleTrainConfig(draft_vocab=64, steps=2, epochs=6))
+    other = tmp_path / "other-data"  # the same settings over other answers: not resumed from this checkpoint
+    generate_data(tiny, prompts[:40], other, DataConfig(max_new_tokens=12, temperatures=(0.0,), batch_size=8))
+    with pytest.raises(SpecdraftError, match="other settings, data"):
+        train_eagle(tiny, other, out, cfg)
     assert main(["train", "eagle", "--data", str(tmp_path / "nowhere"), "--out", str(out)]) == 2
     assert main(["train", "eagle", "--data", str(data), "--out", str(out), "--taps", "a,b"]) == 2
 

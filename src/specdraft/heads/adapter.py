@@ -126,6 +126,9 @@ def load_adapter(folder: str | Path, target: ModelConfig) -> ExitAdapter:
         raise ModelFileError(f"layer-skip: no adapter in {folder} (expected {CONFIG_FILE} and {WEIGHTS_FILE})")
     try:
         raw = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
+        if raw.get("architectures") != ["specdraft-exit-adapter"]:
+            raise ModelFileError(f"layer-skip: {folder} holds a {raw.get('architectures') or raw.get('architecture')} "
+                                 f"checkpoint, not an early-exit adapter")
         tensors = load_file(str(folder / WEIGHTS_FILE))
         shape = (int(raw["hidden_size"]), int(raw["vocab_size"]), int(raw["num_hidden_layers"]))
         exit_layer = int(raw["exit_layer"])

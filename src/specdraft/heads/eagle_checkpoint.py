@@ -23,7 +23,7 @@ from specdraft.errors import ModelFileError, SpecdraftError
 from specdraft.heads.eagle import EagleHead
 from specdraft.heads.feature_head import HeadConfig
 from specdraft.heads.vocab import DraftVocab
-from specdraft.model.config import ModelConfig
+from specdraft.model.config import ModelConfig, RopeScaling
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -32,8 +32,7 @@ WEIGHTS_FILE = "model.safetensors"
 def eagle3_config(head: EagleHead, target: ModelConfig, name: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """The config.json of an EAGLE-3 head for ``target``."""
     c = head.config
-    rope = None if target.rope_scaling is None else {
-        "rope_type": target.rope_scaling.kind, "factor": target.rope_scaling.factor}
+    rope = None if target.rope_scaling is None else _hf_rope_scaling(target.rope_scaling)
     return {
         "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu",
         "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
@@ -45,6 +44,20 @@ def eagle3_config(head: EagleHead, target: ModelConfig, name: str, extra: dict[s
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(c.taps), "use_aux_hidden_state": True},
         "specdraft": {"target": name, "target_layers": c.target_layers, **(extra or {})},
     }
+
+
+def _hf_rope_scaling(r: RopeScaling) -> dict[str, Any]:
+    """Hugging Face's ``rope_scaling`` for the target's scaling (what the serving engine rebuilds)."""
+    out: dict[str, Any] = {"rope_type": r.kind, "factor": r.factor}
+    if r.original_max_position is not None:
+        out["original_max_position_embeddings"] = r.original_max_position
+    if r.kind == "llama3":
+        out.update(low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor)
+    if r.kind == "yarn":
+        out.update(beta_fast=r.beta_fast, beta_slow=r.beta_slow)
+        if r.attention_factor is not None:
+            out["attention_factor"] = r.attention_factor
+    return out
 
 
 def save_eagle(head: EagleHead, folder: str | Path, target: ModelConfig, name: str,
@@ -77,6 +90,9 @@ def load_eagle(folder: str | Path, target: ModelConfig) -> EagleHead:
     try:
         raw = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
         tensors = load_file(str(folder / WEIGHTS_FILE))
+        if raw.get("architectures") != ["LlamaForCausalLMEagle3"]:
+            raise ModelFileError(f"eagle: {folder} holds a {raw.get('architectures') or raw.get('architecture')} "
+                                 f"checkpoint, not an EAGLE-3 head (LlamaForCausalLMEagle3)")
         ours = raw.get("specdraft", {})
         taps = tuple(int(t) for t in raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
         layers = int(ours.get("target_layers", target.num_layers))
@@ -96,6 +112,9 @@ def load_eagle(folder: str | Path, target: ModelConfig) -> EagleHead:
         head = EagleHead(config, DraftVocab.from_maps(tensors.pop("d2t"), tensors.pop("t2d")))
         tensors.pop("embed_tokens.weight", None)  # SpecForge may store the target's embedding
         head.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
-    except (KeyError, RuntimeError, SpecdraftError) as e:
+    except (KeyError, RuntimeError, SpecdraftError, ValueError, TypeError, ZeroDivisionError) as e:
         raise ModelFileError(f"eagle: {folder} does not hold the tensors its config describes ({type(e).__name__})") from None
+    if config.head_dim != target.head_dim:
+        raise ModelFileError(f"eagle: the head in {folder} has head_dim {config.head_dim}; this model's RoPE has "
+                             f"{target.head_dim}")
     return head

@@ -35,15 +35,20 @@ def export_heads(source: str | Path, out: str | Path, fmt: str, verifier: str = 
     want = "specdraft-medusa" if fmt == "vllm-medusa" else "LlamaForCausalLMEagle3"
     if arch != want:
         raise SpecdraftError(f"{src} holds a {arch or 'unknown'} head; format {fmt} needs a {want} head")
+    if dst.resolve() == src.resolve():
+        raise SpecdraftError(f"export: the output folder is the source folder ({src})")
     dst.mkdir(parents=True, exist_ok=True)
-    if fmt == "eagle3":
-        for name in ("config.json", "model.safetensors"):
-            shutil.copyfile(src / name, dst / name)
-    elif fmt == "speculators":
-        _write(dst, _speculators_config(config, verifier), {
-            k.replace("midlayer.", "layers.0.", 1): v for k, v in _read_tensors(src).items()})
-    else:
-        _write(dst, *_vllm_medusa(config, _read_tensors(src)))
+    try:
+        if fmt == "eagle3":
+            for name in ("config.json", "model.safetensors"):
+                shutil.copyfile(src / name, dst / name)
+        elif fmt == "speculators":
+            _write(dst, _speculators_config(config, verifier), {
+                k.replace("midlayer.", "layers.0.", 1): v for k, v in _read_tensors(src).items()})
+        else:
+            _write(dst, *_vllm_medusa(config, _read_tensors(src)))
+    except (KeyError, FileNotFoundError) as e:
+        raise ModelFileError(f"export: {src} lacks {e} (not a complete {want} checkpoint)") from None
     return dst
 
 
@@ -53,7 +58,7 @@ def _speculators_config(c: dict[str, Any], verifier: str) -> dict[str, Any]:
                                "hidden_act") if k in c}
     layer.update({"model_type": "llama", "num_hidden_layers": 1, "tie_word_embeddings": False})
     if c.get("rope_scaling"):
-        layer["rope_scaling"] = c["rope_scaling"]
+        layer["rope_scaling"] = c["rope_scaling"]  # as the head's config.json has it
     return {
         "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
         "speculators_version": "0.9.0", "transformer_layer_config": layer,

@@ -75,6 +75,9 @@ def load_mtp(folder: str | Path, target: ModelConfig) -> MtpHead:
         raise ModelFileError(f"mtp: no module in {folder} (expected {CONFIG_FILE} and {WEIGHTS_FILE})")
     try:
         raw = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
+        if raw.get("architectures") != ["specdraft-mtp"]:
+            raise ModelFileError(f"mtp: {folder} holds a {raw.get('architectures') or raw.get('architecture')} "
+                                 f"checkpoint, not an MTP module (specdraft-mtp)")
         tensors = load_file(str(folder / WEIGHTS_FILE))
         shape = (int(raw["hidden_size"]), int(raw["vocab_size"]), int(raw["num_hidden_layers"]))
     except (json.JSONDecodeError, SafetensorError, KeyError, ValueError, TypeError, OSError) as e:
@@ -129,13 +132,16 @@ def load_native_mtp(model_folder: str | Path, target: ModelConfig, target_lm_hea
     from safetensors import safe_open
 
     folder = Path(model_folder).expanduser()
-    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    files = sorted(folder.glob("*.safetensors")) if str(model_folder) and folder.is_dir() else []
     if not files:
         raise ModelFileError(f"mtp: {folder} is not a Hugging Face model folder with safetensors files")
     where: dict[str, Path] = {}
     for f in files:
-        with safe_open(str(f), "pt") as s:
-            where.update({k: f for k in s.keys()})
+        try:
+            with safe_open(str(f), "pt") as s:
+                where.update({k: f for k in s.keys()})
+        except Exception as e:  # noqa: BLE001  (safetensors raises several kinds for a damaged file)
+            raise ModelFileError(f"mtp: {f} is corrupt or truncated ({type(e).__name__})") from None
     layout = native_mtp_layout(set(where), target.num_layers)
     if layout is None:
         raise ModelFileError(f"mtp: {folder} ships no MTP layer (DeepSeek-V3, Qwen3-Next or MiMo names)")

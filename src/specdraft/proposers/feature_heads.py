@@ -85,6 +85,8 @@ class FeatureHeadProposer:
             for m in self.head.modules():
                 if hasattr(m, "pack"):
                     m.pack()
+        if options.topk > head.config.draft_vocab:
+            raise SpecdraftError(f"{name}: topk={options.topk} is more than the head's {head.config.draft_vocab} tokens")
         self.features = FeatureRequest(taps=head.config.taps, prompt=True)
         self.label = name
         self.embed = target.embed
@@ -140,8 +142,9 @@ class FeatureHeadProposer:
             ids[i, : len(f)] = torch.tensor(seq.tokens[s + 1 : s + 1 + len(f)])
         slots = torch.tensor(starts, device=dev)[:, None] + torch.arange(width, device=dev)  # [R, P]
         visible = torch.arange(int(slots.max()) + 1, device=dev)[None, None, :] <= slots[:, :, None]  # [R, P, S]
-        out = self._run(rows, ids.to(dev), self.head.fuse(taps), slots, slots, visible)  # [R, P, H]
         last = torch.tensor([len(f) - 1 for f in feats], device=dev)
+        positions = torch.minimum(slots, (slots[:, 0] + last)[:, None])  # padding: the row's last real position
+        out = self._run(rows, ids.to(dev), self.head.fuse(taps), positions, slots, visible)  # [R, P, H]
         state = out[torch.arange(len(rows), device=dev), last]  # [R, H]
         return state, self.head.logits(state).log_softmax(-1)
 
@@ -193,11 +196,17 @@ def _best_tree(tokens: Tensor, parents: Tensor, scores: Tensor, budget: int, lab
     """The ``budget`` nodes of highest score (ties: earlier first), in creation order. A child
     scores at most its parent and comes later, so the chosen set holds every chosen node's
     parent. tokens, parents, scores: [M]."""
-    order = sorted(range(len(tokens)), key=lambda i: (-float(scores[i]), i))[:budget]
-    keep = sorted(order)
-    index = {old: new for new, old in enumerate(keep)}
-    toks = [int(tokens[i]) for i in keep]
-    pars = [-1 if int(parents[i]) < 0 else index[int(parents[i])] for i in keep]
+    score, token, parent = scores.tolist(), tokens.tolist(), parents.tolist()
+    order = sorted(range(len(token)), key=lambda i: (-score[i], i))[:budget]
+    keep = [i for i in sorted(order)]
+    index: dict[int, int] = {}
+    toks, pars = [], []
+    for i in keep:
+        if parent[i] >= 0 and parent[i] not in index:  # (only with a NaN score: drop an orphan)
+            continue
+        index[i] = len(toks)
+        toks.append(token[i])
+        pars.append(-1 if parent[i] < 0 else index[parent[i]])
     return Draft(tuple(toks), tuple(pars), label=label)
 
 

@@ -132,7 +132,9 @@ class LayerSkipProposer:
                 h[i, : len(f)] = f
             slots = torch.tensor(starts, device=dev)[:, None] + torch.arange(width, device=dev)  # [R, P]
             visible = torch.arange(int(slots.max()) + 1, device=dev)[None, None, :] <= slots[:, :, None]  # [R, P, S]
-            _adapter_step(self.adapter, self.target, self.cache, rows, h, slots, slots, visible)
+            last = torch.tensor([s + len(f) - 1 for s, f in zip(starts, feats)], device=dev)
+            positions = torch.minimum(slots, last[:, None])  # padding: the row's last real position
+            _adapter_step(self.adapter, self.target, self.cache, rows, h, positions, slots, visible)
         base = torch.tensor([self.rows.length.get(r, 0) for r in range(len(seqs))], device=self.target.device)
         return _AdaptedDrafter(self, cache, base)
 
@@ -184,11 +186,13 @@ class _AdaptedDrafter:
 def make_layer_skip_proposer(config: LayerSkipConfig, context: ProposerContext | None) -> LayerSkipProposer:
     if context is None:
         raise SpecdraftError("method 'layer-skip' needs the target model (a ProposerContext)")
-    adapter = None
-    if config.adapter != "none":
-        path = config.adapter or (shipped_heads("layer-skip", context.source) if context.source else None)
-        adapter = load_adapter(path, context.target.config) if path else None
-    layers = config.layers
-    if adapter is not None and layers == DEFAULT_LAYERS:
-        layers = adapter.config.exit_layer
+    adapter, layers = None, config.layers
+    if config.adapter not in ("", "none"):  # an adapter asked for: it sets the exit layer
+        adapter = load_adapter(config.adapter, context.target.config)
+        layers = adapter.config.exit_layer if layers == DEFAULT_LAYERS else layers
+    elif config.adapter == "" and config.last == 0 and context.source:  # the shipped one, where it fits
+        path = shipped_heads("layer-skip", context.source)
+        shipped = load_adapter(path, context.target.config) if path else None
+        if shipped is not None and layers in (DEFAULT_LAYERS, shipped.config.exit_layer):
+            adapter, layers = shipped, shipped.config.exit_layer
     return LayerSkipProposer(context.target, layers, config.branches, config.last, adapter)

@@ -31,7 +31,7 @@ from specdraft.heads.adapter import AdapterConfig, ExitAdapter, save_adapter
 from specdraft.heads.feature_head import causal_mask
 from specdraft.model.loader import LoadedModel
 from specdraft.model.transformer import grouped_attention
-from specdraft.train.common import TeacherCache, resume, save_checkpoint, soft_cross_entropy, splits
+from specdraft.train.common import TeacherCache, data_fingerprint, resume, save_checkpoint, soft_cross_entropy, splits
 from specdraft.train.eagle import ChainMeasure, learning_rate
 from specdraft.train.teacher import TeacherBatch, TeacherConfig, length_batches
 
@@ -81,14 +81,15 @@ def evaluate(adapter: ExitAdapter, loaded: LoadedModel, batches: Seq[TeacherBatc
         assert batch.top_ids is not None
         right = adapter_logits(adapter, loaded, batch).argmax(-1) == batch.top_ids[..., 0].long()  # [B, T]
         b, t = right.shape
-        valid = torch.zeros(b, t, dtype=torch.bool)
-        valid[:, : t - steps + 1] = batch.answer[:, steps - 1 :]  # every step's label predicts an answer token
+        valid = torch.zeros_like(right)
+        n = max(0, t - steps + 1)
+        valid[:, :n] = batch.answer[:, steps - 1 : steps - 1 + n]  # every step's label predicts an answer token
         valid &= batch.answer
         lead = torch.ones_like(valid)
         reached[0] += int(valid.sum())
         for k in range(steps):
             ok = torch.zeros_like(valid)
-            ok[:, : t - k] = right[:, k:]
+            ok[:, : max(0, t - k)] = right[:, k:]
             lead &= ok
             reached[k + 1] += int((lead & valid).sum())
     if not reached[0]:
@@ -105,12 +106,14 @@ def train_adapter(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: A
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     adapter = ExitAdapter(AdapterConfig.for_target(loaded.config, cfg.exit_layer)).start_from(loaded.model.norm.weight)
+    adapter.to(loaded.model.device)
     opt = torch.optim.AdamW(adapter.parameters(), lr=cfg.lr)
-    progress = resume(folder, cfg.key(), adapter, opt, {"epoch": 0, "batch": 0})
+    key = {**cfg.key(), "target": loaded.source.name, "data": data_fingerprint(pairs)}
+    progress = resume(folder, key, adapter, opt, {"epoch": 0, "batch": 0})
     teacher = TeacherConfig(taps=(cfg.exit_layer,), top_k=cfg.soft_top_k, batch_tokens=cfg.batch_tokens,
                             max_len=cfg.max_len)
     cache = TeacherCache(loaded, pairs, teacher, keep=cfg.epochs > 1)
-    everything = torch.arange(loaded.config.vocab_size)
+    everything = torch.arange(loaded.config.vocab_size, device=loaded.model.device)
     groups = length_batches([len(p) + len(a) for p, a in pairs], cfg.batch_tokens)
     t0 = time.perf_counter()
     for epoch in range(progress["epoch"], cfg.epochs):
@@ -120,7 +123,7 @@ def train_adapter(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: A
                    unit="batch", file=sys.stderr)
         for b in range(progress["batch"], len(order)):
             if cfg.time_budget_s is not None and time.perf_counter() - t0 > cfg.time_budget_s:
-                save_checkpoint(folder, cfg.key(), adapter, opt, {"epoch": epoch, "batch": b})
+                save_checkpoint(folder, key, adapter, opt, {"epoch": epoch, "batch": b})
                 bar.close()
                 log(f"layer-skip: time budget reached at epoch {epoch + 1}, batch {b}; rerun to resume")
                 return ChainMeasure()
@@ -137,10 +140,10 @@ def train_adapter(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: A
             bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
             bar.update(1)
             if (b + 1) % cfg.checkpoint_every == 0:
-                save_checkpoint(folder, cfg.key(), adapter, opt, {"epoch": epoch, "batch": b + 1})
+                save_checkpoint(folder, key, adapter, opt, {"epoch": epoch, "batch": b + 1})
         bar.close()
         progress = {"epoch": epoch + 1, "batch": 0}
-        save_checkpoint(folder, cfg.key(), adapter, opt, progress)
+        save_checkpoint(folder, key, adapter, opt, progress)
     held_cache = TeacherCache(loaded, held, teacher, keep=False)
     result = evaluate(adapter, loaded, list(held_cache.all(length_batches([len(p) + len(a) for p, a in held],
                                                                           cfg.batch_tokens))), cfg.eval_steps)

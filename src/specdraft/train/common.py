@@ -3,6 +3,7 @@ a cache of the teacher's outputs across epochs, and resumable checkpoints."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterator, Sequence as Seq
@@ -107,35 +108,56 @@ class TeacherCache:
 
 
 def _compact(b: TeacherBatch) -> TeacherBatch:
-    """bfloat16 states, float16 probabilities, int32 ids: about half the memory."""
+    """bfloat16 states, float16 probabilities, int32 ids (about half the memory), every tensor
+    on the model's device."""
     half = torch.bfloat16
-    return TeacherBatch(b.tokens, b.lengths, b.answer, b.last_hidden.to(half),
+    dev = b.last_hidden.device
+    return TeacherBatch(b.tokens.to(dev), b.lengths, b.answer.to(dev), b.last_hidden.to(half),
                         {i: t.to(half) for i, t in b.taps.items()},
                         None if b.top_ids is None else b.top_ids.to(torch.int32),
                         None if b.top_probs is None else b.top_probs.to(torch.float16))
 
 
+def data_fingerprint(pairs: Seq[Pair]) -> dict[str, Any]:
+    """What a resumed run must train on again: how many sequences, and a digest of them."""
+    digest = hashlib.sha256()
+    for prompt, answer in pairs:
+        digest.update(json.dumps([list(prompt), list(answer)], separators=(",", ":")).encode())
+    return {"sequences": len(pairs), "sha256": digest.hexdigest()[:16]}
+
+
 def save_checkpoint(folder: Path, key: dict[str, Any], module: nn.Module, opt: torch.optim.Optimizer,
                     progress: dict[str, Any]) -> None:
-    """Write the module, optimizer and progress atomically (a crash leaves the last one)."""
+    """Write the module, optimizer and progress atomically (a crash leaves the last one); with
+    the module's draft vocabulary when it has one."""
     tmp = folder / (CHECKPOINT + ".tmp")
-    torch.save({"config": json.loads(json.dumps(key)), "module": module.state_dict(), "opt": opt.state_dict(), "progress": progress}, tmp)
+    state = {"config": json.loads(json.dumps(key)), "module": module.state_dict(), "opt": opt.state_dict(),
+             "progress": progress}
+    if isinstance(getattr(module, "target_ids", None), Tensor):
+        state["vocab"] = module.target_ids.cpu()
+    torch.save(state, tmp)
     os.replace(tmp, folder / CHECKPOINT)
 
 
 def resume(folder: Path, key: dict[str, Any], module: nn.Module, opt: torch.optim.Optimizer,
-           start: dict[str, Any]) -> dict[str, Any]:
+           start: dict[str, Any], vocab: Tensor | None = None) -> dict[str, Any]:
     """Load ``folder``'s checkpoint into module and optimizer and return its progress (``start``
-    when there is none); refused in one line when corrupt or made with other settings."""
+    when there is none); refused in one line when corrupt, made with other settings, data or
+    target, or over another draft vocabulary (``vocab``)."""
     path = folder / CHECKPOINT
     if not path.is_file():
         return dict(start)
     try:
-        state = torch.load(path, weights_only=True)
+        state = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as e:  # noqa: BLE001  (torch raises many kinds for a damaged file)
         raise SpecdraftError(f"{path} is corrupt ({type(e).__name__}); delete it to start again") from None
     if state.get("config") != json.loads(json.dumps(key)):
-        raise SpecdraftError(f"{path} was made with other settings; use another --out or the same settings")
-    module.load_state_dict(state["module"])
-    opt.load_state_dict(state["opt"])
+        raise SpecdraftError(f"{path} was made with other settings, data or target; use another --out or the same ones")
+    if vocab is not None and not torch.equal(state.get("vocab", torch.empty(0, dtype=torch.long)).cpu(), vocab.cpu()):
+        raise SpecdraftError(f"{path} was made over another draft vocabulary; use another --out")
+    try:
+        module.load_state_dict(state["module"])
+        opt.load_state_dict(state["opt"])
+    except (KeyError, RuntimeError, ValueError) as e:
+        raise SpecdraftError(f"{path} does not fit this module ({type(e).__name__}); use another --out") from None
     return dict(state["progress"])

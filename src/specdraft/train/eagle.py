@@ -41,8 +41,8 @@ from specdraft.heads.mtp import MtpHead
 from specdraft.heads.mtp_checkpoint import save_mtp
 from specdraft.heads.eagle_checkpoint import save_eagle
 from specdraft.model.loader import LoadedModel
-from specdraft.train.common import (TeacherCache, draft_index, draft_vocabulary, reference_pairs, resume,
-                                    save_checkpoint, soft_cross_entropy, splits)
+from specdraft.train.common import (TeacherCache, data_fingerprint, draft_index, draft_vocabulary, reference_pairs,
+                                    resume, save_checkpoint, soft_cross_entropy, splits)
 from specdraft.train.teacher import TeacherBatch, TeacherConfig, length_batches
 
 
@@ -92,9 +92,10 @@ def step_targets(batch: TeacherBatch, k: int, t: int) -> tuple[Tensor, Tensor, T
     the target's distribution at p + k, where p + k predicts an answer token."""
     assert batch.top_ids is not None and batch.top_probs is not None
     b, width = batch.answer.shape
-    mask = torch.zeros(b, t, dtype=torch.bool)
-    ids = torch.zeros(b, t, batch.top_ids.shape[-1], dtype=torch.long)
-    probs = torch.zeros(b, t, batch.top_ids.shape[-1])
+    dev = batch.top_ids.device
+    mask = torch.zeros(b, t, dtype=torch.bool, device=dev)
+    ids = torch.zeros(b, t, batch.top_ids.shape[-1], dtype=torch.long, device=dev)
+    probs = torch.zeros(b, t, batch.top_ids.shape[-1], device=dev)
     n = max(0, min(t, width - k))
     mask[:, :n] = batch.answer[:, k : k + n]
     ids[:, :n] = batch.top_ids[:, k : k + n]
@@ -213,14 +214,16 @@ def train_eagle(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: Eag
     head: FeatureHead = (EagleHead.for_target(loaded.config, vocab, cfg.taps or None) if kind == "eagle"
                          else MtpHead.for_target(loaded.config, vocab))
     start_from_target(head, loaded)
+    head.to(loaded.model.device)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr)
-    progress = resume(folder, cfg.key(), head, opt, {"epoch": 0, "batch": 0})
+    key = {**cfg.key(), "kind": kind, "target": loaded.source.name, "data": data_fingerprint(pairs)}
+    progress = resume(folder, key, head, opt, {"epoch": 0, "batch": 0}, vocab=vocab.target_ids)
     teacher = TeacherConfig(taps=head.config.taps, top_k=cfg.soft_top_k, batch_tokens=cfg.batch_tokens,
                             max_len=cfg.max_len)
     cache = TeacherCache(loaded, pairs, teacher, keep=cfg.epochs > 1)
     held_cache = TeacherCache(loaded, held, teacher, keep=True)
     held_groups = length_batches([len(p) + len(a) for p, a in held], cfg.batch_tokens)
-    to_draft = draft_index(vocab)
+    to_draft = draft_index(vocab).to(loaded.model.device)
     t0 = time.perf_counter()
     teacher_s = 0.0
     groups = length_batches([len(p) + len(a) for p, a in pairs], cfg.batch_tokens)
@@ -231,7 +234,7 @@ def train_eagle(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: Eag
                    unit="batch", file=sys.stderr)
         for b in range(progress["batch"], len(order)):
             if cfg.time_budget_s is not None and time.perf_counter() - t0 > cfg.time_budget_s:
-                save_checkpoint(folder, cfg.key(), head, opt, {"epoch": epoch, "batch": b})
+                save_checkpoint(folder, key, head, opt, {"epoch": epoch, "batch": b})
                 bar.close()
                 log(f"{kind}: time budget reached at epoch {epoch + 1}, batch {b}; rerun to resume")
                 return ChainMeasure()
@@ -248,13 +251,13 @@ def train_eagle(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: Eag
             bar.set_postfix(loss=f"{float(loss.detach()):.3f}", step1=f"{acc:.0%}", teacher=f"{share:.0%}")
             bar.update(1)
             if (b + 1) % cfg.checkpoint_every == 0:
-                save_checkpoint(folder, cfg.key(), head, opt, {"epoch": epoch, "batch": b + 1})
+                save_checkpoint(folder, key, head, opt, {"epoch": epoch, "batch": b + 1})
             if (b + 1) % cfg.eval_every == 0:
                 _curve(folder, epoch, b + 1, len(order), evaluate(head, loaded, list(held_cache.all(held_groups)),
                                                                   cfg.eval_steps))
         bar.close()
         progress = {"epoch": epoch + 1, "batch": 0}
-        save_checkpoint(folder, cfg.key(), head, opt, progress)
+        save_checkpoint(folder, key, head, opt, progress)
     result = evaluate(head, loaded, list(held_cache.all(held_groups)), cfg.eval_steps)
     _curve(folder, cfg.epochs - 1, len(groups), len(groups), result)
     log(f"{kind}: {result.line()}")

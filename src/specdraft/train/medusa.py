@@ -33,8 +33,8 @@ from tqdm import tqdm
 from specdraft.errors import SpecdraftError
 from specdraft.heads.medusa import MedusaConfig, MedusaHeads, save_medusa
 from specdraft.model.loader import LoadedModel
-from specdraft.train.common import (TeacherCache, draft_index, draft_vocabulary, resume, save_checkpoint,
-                                    soft_cross_entropy, splits)
+from specdraft.train.common import (TeacherCache, data_fingerprint, draft_index, draft_vocabulary, resume,
+                                    save_checkpoint, soft_cross_entropy, splits)
 from specdraft.train.teacher import TeacherBatch, TeacherConfig, length_batches
 
 
@@ -141,11 +141,13 @@ def train_medusa(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: Me
     vocab = draft_vocabulary(loaded, train_records, cfg.draft_vocab)
     heads = MedusaHeads.from_target(MedusaConfig(cfg.heads, c.hidden_size, cfg.draft_vocab, c.vocab_size), vocab,
                                     model.lm_head.weight.detach().float())
+    heads.to(model.device)
     opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr)
-    progress = resume(folder, cfg.key(), heads, opt, {"epoch": 0, "batch": 0})
+    key = {**cfg.key(), "target": loaded.source.name, "data": data_fingerprint(pairs)}
+    progress = resume(folder, key, heads, opt, {"epoch": 0, "batch": 0}, vocab=vocab.target_ids)
     teacher = TeacherConfig(top_k=cfg.soft_top_k, batch_tokens=cfg.batch_tokens, max_len=cfg.max_len)
     cache = TeacherCache(loaded, pairs, teacher, keep=cfg.epochs > 1)
-    to_draft = draft_index(vocab)
+    to_draft = draft_index(vocab).to(model.device)
     t0 = time.perf_counter()
     groups = length_batches([len(p) + len(a) for p, a in pairs], cfg.batch_tokens)
     for epoch in range(progress["epoch"], cfg.epochs):
@@ -155,7 +157,7 @@ def train_medusa(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: Me
                    unit="batch", file=sys.stderr)
         for b in range(progress["batch"], len(order)):
             if cfg.time_budget_s is not None and time.perf_counter() - t0 > cfg.time_budget_s:
-                save_checkpoint(folder, cfg.key(), heads, opt, {"epoch": epoch, "batch": b})
+                save_checkpoint(folder, key, heads, opt, {"epoch": epoch, "batch": b})
                 bar.close()
                 log(f"medusa: time budget reached at epoch {epoch + 1}, batch {b}; rerun to resume")
                 return HeldOut()
@@ -167,10 +169,10 @@ def train_medusa(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: Me
             bar.set_postfix(loss=f"{float(loss.detach()):.3f}", head1=f"{acc:.0%}")
             bar.update(1)
             if (b + 1) % cfg.checkpoint_every == 0:
-                save_checkpoint(folder, cfg.key(), heads, opt, {"epoch": epoch, "batch": b + 1})
+                save_checkpoint(folder, key, heads, opt, {"epoch": epoch, "batch": b + 1})
         bar.close()
         progress = {"epoch": epoch + 1, "batch": 0}
-        save_checkpoint(folder, cfg.key(), heads, opt, progress)
+        save_checkpoint(folder, key, heads, opt, progress)
     held_cache = TeacherCache(loaded, held, teacher, keep=False)
     result = evaluate(heads, list(held_cache.all(length_batches([len(p) + len(a) for p, a in held], cfg.batch_tokens))))
     log(f"medusa: {result.line()}")
