@@ -95,19 +95,34 @@ class FeatureHeadProposer:
         self.vocab_ids = head.target_ids.to(target.device)  # [N]
         self.cache = HeadCache(head.config.num_kv_heads, head.config.head_dim, target.dtype, target.device)
         self.rows = PendingTaps(head.config.taps)
+        self.prompts: dict[int, list[int]] = {}  # row -> its prompt, until the prefill is fed
 
     # -- row lifecycle -------------------------------------------------------------------------
     def begin(self, row: int, seq: Sequence) -> None:
         self.rows.begin(row)
+        self.prompts[row] = seq.prompt
 
+    @torch.inference_mode()
     def prefilled(self, row: int, features: Features) -> None:
+        """Feed the prompt's entries now, in the prefill, but the last (its next token is the
+        first generated one): the first proposal then costs what any other does, which is what
+        the adaptive policy prices drafting by."""
         self.rows.prefilled(row, features)
+        [feats] = self.rows.pending[row]  # [m, taps * H]
+        prompt = self.prompts.pop(row, [])
+        if len(feats) < 2 or len(prompt) != len(feats):
+            return
+        self.rows.pending[row] = [feats[:-1]]
+        fed, starts = self.rows.take([row])
+        self._feed([row], fed, starts, [prompt[1:]], scratch=0)
+        self.rows.pending[row] = [feats[-1:]]
 
     def observe(self, row: int, draft: Draft, acceptance: Acceptance, verified: Verified) -> None:
         self.rows.observe(row, acceptance, verified)
 
     def end(self, row: int) -> None:
         self.rows.end(row)
+        self.prompts.pop(row, None)
 
     def memory_bytes(self) -> int:
         params = sum(p.numel() * p.element_size() for p in self.head.parameters())
@@ -129,24 +144,31 @@ class FeatureHeadProposer:
         return drafts
 
     def _feed_pending(self, rows: list[int], seqs: list[Sequence], scratch: int) -> tuple[Tensor, Tensor]:
-        """Feed each row's exact entries (with room for ``scratch`` drafted ones after them);
-        return the anchor's state [R, H] and log-probs [R, N]."""
-        dev = self.embed.weight.device
+        """Feed each row's pending exact entries (with room for ``scratch`` drafted ones after
+        them); return the anchor's state [R, H] and log-probs [R, N]."""
         feats, starts = self.rows.take(rows)  # [P_r, taps * H] each; each row's first new slot
+        ids = [seq.tokens[s + 1 : s + 1 + len(f)] for f, s, seq in zip(feats, starts, seqs)]
+        state = self._feed(rows, feats, starts, ids, scratch)  # [R, H]
+        return state, self.head.logits(state).log_softmax(-1)
+
+    def _feed(self, rows: list[int], feats: list[Tensor], starts: list[int], ids: list[list[int]],
+              scratch: int) -> Tensor:
+        """Feed exact entries (row i: features [P_i, taps * H] with the tokens after them, from
+        slot starts[i]); return each row's last state [R, H]."""
+        dev = self.embed.weight.device
         width = max(len(f) for f in feats)
         self.cache.ensure(max(rows) + 1, max(starts) + width + scratch + 1)
         taps = torch.zeros(len(rows), width, feats[0].shape[-1], dtype=feats[0].dtype, device=dev)  # [R, P, taps*H]
-        ids = torch.zeros(len(rows), width, dtype=torch.long)  # [R, P]
-        for i, (f, s, seq) in enumerate(zip(feats, starts, seqs)):
+        tokens = torch.zeros(len(rows), width, dtype=torch.long)  # [R, P]
+        for i, (f, row_ids) in enumerate(zip(feats, ids)):
             taps[i, : len(f)] = f
-            ids[i, : len(f)] = torch.tensor(seq.tokens[s + 1 : s + 1 + len(f)])
+            tokens[i, : len(f)] = torch.tensor(row_ids)
         slots = torch.tensor(starts, device=dev)[:, None] + torch.arange(width, device=dev)  # [R, P]
         visible = torch.arange(int(slots.max()) + 1, device=dev)[None, None, :] <= slots[:, :, None]  # [R, P, S]
         last = torch.tensor([len(f) - 1 for f in feats], device=dev)
         positions = torch.minimum(slots, (slots[:, 0] + last)[:, None])  # padding: the row's last real position
-        out = self._run(rows, ids.to(dev), self.head.fuse(taps), positions, slots, visible)  # [R, P, H]
-        state = out[torch.arange(len(rows), device=dev), last]  # [R, H]
-        return state, self.head.logits(state).log_softmax(-1)
+        out = self._run(rows, tokens.to(dev), self.head.fuse(taps), positions, slots, visible)  # [R, P, H]
+        return out[torch.arange(len(rows), device=dev), last]
 
     def _run(self, rows: list[int], ids: Tensor, hidden: Tensor, positions: Tensor, slots: Tensor,
              visible: Tensor) -> Tensor:

@@ -29,7 +29,9 @@ class HeadCache:
         r, h, cap, d = self.k.shape
         if rows <= r and capacity <= cap:
             return
-        shape = (max(rows, r), h, max(capacity, 2 * cap, 64), d)
+        new_rows = r if rows <= r else max(rows, 2 * r)  # grow geometrically, each dimension only when short
+        new_cap = cap if capacity <= cap else max(capacity, 2 * cap, 64)
+        shape = (new_rows, h, new_cap, d)
         for name in ("k", "v"):
             old = getattr(self, name)
             new = old.new_zeros(shape)

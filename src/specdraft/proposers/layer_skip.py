@@ -95,8 +95,13 @@ class LayerSkipProposer:
     def begin(self, row: int, seq: Sequence) -> None:
         self.rows.begin(row)
 
+    @torch.inference_mode()
     def prefilled(self, row: int, features: Features) -> None:
+        """Feed the prompt's layer-L entries now, in the prefill (so that the first proposal
+        costs what any other does, which is what the adaptive policy prices drafting by)."""
         self.rows.prefilled(row, features)
+        if self.adapter is not None:
+            self._feed([row])
 
     def end(self, row: int) -> None:
         self.rows.end(row)
@@ -124,6 +129,16 @@ class LayerSkipProposer:
         lengths = [self.rows.length.get(r, 0) for r in range(len(seqs))]
         self.cache.ensure(len(seqs), max(lengths) + pending + max(budgets) + 2)
         if rows:
+            self._feed(rows)
+        base = torch.tensor([self.rows.length.get(r, 0) for r in range(len(seqs))], device=self.target.device)
+        return _AdaptedDrafter(self, cache, base)
+
+    def _feed(self, rows: list[int]) -> None:
+        """Feed these rows' pending layer-L features to the adapter's cache."""
+        assert self.adapter is not None
+        width = max(sum(len(p) for p in self.rows.pending[r]) for r in rows)
+        self.cache.ensure(max(rows) + 1, max(self.rows.length[r] for r in rows) + width + 1)
+        if width:
             feats, starts = self.rows.take(rows)
             width = max(len(f) for f in feats)
             dev = self.target.device
@@ -135,8 +150,6 @@ class LayerSkipProposer:
             last = torch.tensor([s + len(f) - 1 for s, f in zip(starts, feats)], device=dev)
             positions = torch.minimum(slots, last[:, None])  # padding: the row's last real position
             _adapter_step(self.adapter, self.target, self.cache, rows, h, positions, slots, visible)
-        base = torch.tensor([self.rows.length.get(r, 0) for r in range(len(seqs))], device=self.target.device)
-        return _AdaptedDrafter(self, cache, base)
 
     def observe(self, row: int, draft: Draft, acceptance: Acceptance, verified: Verified) -> None:
         if self.adapter is not None:
