@@ -5,7 +5,7 @@ the box, and what those settings need prepared once (cached between runs):
   drafts with the target's own first layers exported as a separate model
   (``runs/drafts/<model>-l<N>``; a stand-in for a real draft such as a distilled one);
 - ``rest``: the Python standard-library datastore for the target's tokenizer, built if missing;
-- trained heads (``medusa``): the heads the package ships for the model (``shipped_heads``);
+- trained heads (``medusa``, ``eagle``, ``mtp``): the heads the package ships for the model (``shipped_heads``);
   a method with none for it is skipped with a note.
 """
 
@@ -50,7 +50,7 @@ def quick_methods(model: str | None, log: Callable[[str], None] = lambda s: prin
     return specs
 
 
-TRAINED = ("medusa", "eagle")  # methods that need trained weights
+TRAINED = ("medusa", "eagle", "mtp")  # methods that need trained weights
 
 
 def ensure_truncated_draft(model: str | None, layers: int, log: Callable[[str], None]) -> Path:
