@@ -24,9 +24,8 @@ import torch
 from torch import Tensor, nn
 
 from specdraft.errors import ModelFileError, SpecdraftError
-from specdraft.heads.feature_head import Attend
+from specdraft.heads.feature_head import Attend, AttentionProjections
 from specdraft.model.config import ModelConfig
-from specdraft.model.linear import Linear
 from specdraft.model.rope import apply_rope
 from specdraft.model.transformer import RMSNorm
 
@@ -59,21 +58,12 @@ class AdapterConfig:
         return self.num_heads // self.num_kv_heads
 
 
-class _Attention(nn.Module):
-    def __init__(self, c: AdapterConfig) -> None:
-        super().__init__()
-        self.q_proj = Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
-        self.k_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
-        self.v_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
-        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
-
-
 class ExitAdapter(nn.Module):
     def __init__(self, config: AdapterConfig) -> None:
         super().__init__()
         self.config = config
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = _Attention(config)
+        self.self_attn = AttentionProjections(config, config.hidden_size)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     @torch.no_grad()

@@ -23,10 +23,9 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdraft.heads.feature_head import Attend, FeatureHead, HeadConfig
+from specdraft.heads.feature_head import Attend, AttentionProjections, FeatureHead, GatedMLP, HeadConfig
 from specdraft.heads.vocab import DraftVocab
 from specdraft.model.config import ModelConfig
 from specdraft.model.linear import Linear
@@ -40,35 +39,14 @@ def eagle3_taps(num_layers: int) -> tuple[int, int, int]:
     return (min(2, num_layers), num_layers // 2, max(num_layers - 3, 1))
 
 
-class _Attention(nn.Module):
-    def __init__(self, c: HeadConfig) -> None:
-        super().__init__()
-        h2 = 2 * c.hidden_size
-        self.q_proj = Linear(h2, c.num_heads * c.head_dim, bias=False)
-        self.k_proj = Linear(h2, c.num_kv_heads * c.head_dim, bias=False)
-        self.v_proj = Linear(h2, c.num_kv_heads * c.head_dim, bias=False)
-        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
-
-
-class _MLP(nn.Module):
-    def __init__(self, c: HeadConfig) -> None:
-        super().__init__()
-        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class _MidLayer(nn.Module):
     def __init__(self, c: HeadConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = _Attention(c)
+        self.self_attn = AttentionProjections(c, 2 * c.hidden_size)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = _MLP(c)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size)
 
 
 class EagleHead(FeatureHead):

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from specdraft.errors import SpecdraftError
 from specdraft.heads.vocab import DraftVocab
 from specdraft.model.config import ModelConfig
+from specdraft.model.linear import Linear
 from specdraft.model.transformer import grouped_attention
 
 
@@ -48,6 +49,33 @@ class HeadConfig:
     @property
     def group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+
+class AttentionProjections(nn.Module):
+    """A Llama layer's q/k/v/o projections under Hugging Face's names (``q_proj`` ...), from
+    ``inputs`` features (EAGLE-3's first layer reads 2H). ``shape``: anything with
+    hidden_size, num_heads, num_kv_heads and head_dim."""
+
+    def __init__(self, shape: "HeadConfig | object", inputs: int, bias: bool = False) -> None:
+        super().__init__()
+        c = shape
+        self.q_proj = Linear(inputs, c.num_heads * c.head_dim, bias=bias)  # type: ignore[attr-defined]
+        self.k_proj = Linear(inputs, c.num_kv_heads * c.head_dim, bias=bias)  # type: ignore[attr-defined]
+        self.v_proj = Linear(inputs, c.num_kv_heads * c.head_dim, bias=bias)  # type: ignore[attr-defined]
+        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)  # type: ignore[attr-defined]
+
+
+class GatedMLP(nn.Module):
+    """A Llama layer's MLP under Hugging Face's names: down(SiLU(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = Linear(hidden, intermediate, bias=False)
+        self.up_proj = Linear(hidden, intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 # attend(q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, D]) -> [B, Hq, T, D]: how the new

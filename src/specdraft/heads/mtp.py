@@ -17,35 +17,14 @@ layer, and the input is the last layer only (tap L). Module names are DeepSeek-V
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdraft.heads.feature_head import Attend, FeatureHead, HeadConfig
+from specdraft.heads.feature_head import Attend, AttentionProjections, FeatureHead, GatedMLP, HeadConfig
 from specdraft.heads.vocab import DraftVocab
 from specdraft.model.config import ModelConfig
 from specdraft.model.linear import Linear
 from specdraft.model.rope import apply_rope
 from specdraft.model.transformer import RMSNorm
-
-
-class _Attention(nn.Module):
-    def __init__(self, c: HeadConfig, bias: bool) -> None:
-        super().__init__()
-        self.q_proj = Linear(c.hidden_size, c.num_heads * c.head_dim, bias=bias)
-        self.k_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=bias)
-        self.v_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=bias)
-        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
-
-
-class _MLP(nn.Module):
-    def __init__(self, c: HeadConfig) -> None:
-        super().__init__()
-        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class _SharedHead(nn.Module):
@@ -65,9 +44,9 @@ class MtpHead(FeatureHead):
         self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.eh_proj = Linear(2 * c.hidden_size, c.hidden_size, bias=False)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = _Attention(c, attention_bias)
+        self.self_attn = AttentionProjections(c, c.hidden_size, bias=attention_bias)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = _MLP(c)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size)
         self.shared_head = _SharedHead(c)
         self.attention_bias = attention_bias
 
