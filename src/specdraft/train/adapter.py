@@ -14,9 +14,7 @@ right), and the greedy chain's tau up to ``eval_steps`` tokens.
 
 from __future__ import annotations
 
-import random
 import sys
-import time
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,15 +22,15 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from tqdm import tqdm
 
 from specdraft.errors import SpecdraftError
 from specdraft.heads.adapter import AdapterConfig, ExitAdapter, save_adapter
 from specdraft.heads.feature_head import causal_mask
 from specdraft.model.loader import LoadedModel
 from specdraft.model.transformer import grouped_attention
-from specdraft.train.common import TeacherCache, data_fingerprint, resume, save_checkpoint, soft_cross_entropy, splits
-from specdraft.train.eagle import ChainMeasure, learning_rate
+from specdraft.train.common import (Loop, TeacherCache, data_fingerprint, resume, soft_cross_entropy, splits,
+                                    train_loop)
+from specdraft.train.eagle import ChainMeasure
 from specdraft.train.teacher import TeacherBatch, TeacherConfig, length_batches
 
 
@@ -115,35 +113,17 @@ def train_adapter(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: A
     cache = TeacherCache(loaded, pairs, teacher, keep=cfg.epochs > 1)
     everything = torch.arange(loaded.config.vocab_size, device=loaded.model.device)
     groups = length_batches([len(p) + len(a) for p, a in pairs], cfg.batch_tokens)
-    t0 = time.perf_counter()
-    for epoch in range(progress["epoch"], cfg.epochs):
-        order = list(groups)
-        random.Random(cfg.seed + epoch).shuffle(order)
-        bar = tqdm(total=len(order), initial=progress["batch"], desc=f"layer-skip adapter epoch {epoch + 1}/{cfg.epochs}",
-                   unit="batch", file=sys.stderr)
-        for b in range(progress["batch"], len(order)):
-            if cfg.time_budget_s is not None and time.perf_counter() - t0 > cfg.time_budget_s:
-                save_checkpoint(folder, key, adapter, opt, {"epoch": epoch, "batch": b})
-                bar.close()
-                log(f"layer-skip: time budget reached at epoch {epoch + 1}, batch {b}; rerun to resume")
-                return ChainMeasure()
-            for g in opt.param_groups:
-                g["lr"] = learning_rate(cfg.lr, epoch * len(order) + b, cfg.epochs * len(order))
-            batch = cache.batch(order[b])
-            assert batch.top_ids is not None and batch.top_probs is not None
-            mask = batch.answer.clone()  # (the teacher's tensors are inference tensors: not saved for backward)
-            logits = adapter_logits(adapter, loaded, batch)[mask]  # [P, V]
-            loss = soft_cross_entropy(logits, batch.top_ids[mask].long(), batch.top_probs[mask], everything)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
-            bar.update(1)
-            if (b + 1) % cfg.checkpoint_every == 0:
-                save_checkpoint(folder, key, adapter, opt, {"epoch": epoch, "batch": b + 1})
-        bar.close()
-        progress = {"epoch": epoch + 1, "batch": 0}
-        save_checkpoint(folder, key, adapter, opt, progress)
+
+    def step(group: list[int]) -> tuple[Tensor, dict[str, str]]:
+        batch = cache.batch(group)
+        assert batch.top_ids is not None and batch.top_probs is not None
+        mask = batch.answer.clone()  # (the teacher's tensors are inference tensors: not saved for backward)
+        logits = adapter_logits(adapter, loaded, batch)[mask]  # [P, V]
+        return soft_cross_entropy(logits, batch.top_ids[mask].long(), batch.top_probs[mask], everything), {}
+
+    loop = Loop("layer-skip adapter", cfg.epochs, cfg.seed, cfg.checkpoint_every, cfg.time_budget_s, cfg.lr)
+    if not train_loop(folder, key, adapter, opt, groups, progress, loop, step, log=log):
+        return ChainMeasure()
     held_cache = TeacherCache(loaded, held, teacher, keep=False)
     result = evaluate(adapter, loaded, list(held_cache.all(length_batches([len(p) + len(a) for p, a in held],
                                                                           cfg.batch_tokens))), cfg.eval_steps)

@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
-from collections.abc import Iterator, Sequence as Seq
+import random
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence as Seq
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from tqdm import tqdm
 
 from specdraft.errors import SpecdraftError
 from specdraft.heads.vocab import DraftVocab
@@ -161,3 +167,67 @@ def resume(folder: Path, key: dict[str, Any], module: nn.Module, opt: torch.opti
     except (KeyError, RuntimeError, ValueError) as e:
         raise SpecdraftError(f"{path} does not fit this module ({type(e).__name__}); use another --out") from None
     return dict(state["progress"])
+
+
+def learning_rate(peak: float, step: int, total: int, warmup: int = 20, floor: float = 0.1) -> float:
+    """Linear warm-up over ``warmup`` steps, then a cosine down to ``floor * peak`` at ``total``
+    (a function of the step alone, so a resumed run continues the same schedule)."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    done = min(1.0, (step - warmup) / max(total - warmup, 1))
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * done)))
+
+
+@dataclass(frozen=True, slots=True)
+class Loop:
+    """The epoch/batch loop's settings: ``name`` for the progress bar and messages;
+    ``schedule_lr``: the peak of ``learning_rate``'s schedule (None: the optimizer's constant lr)."""
+
+    name: str
+    epochs: int
+    seed: int
+    checkpoint_every: int
+    time_budget_s: float | None
+    schedule_lr: float | None = None
+
+
+Step = Callable[[list[int]], tuple[Tensor, dict[str, str]]]  # a batch's group -> (loss, progress-bar fields)
+
+
+def train_loop(folder: Path, key: dict[str, Any], module: nn.Module, opt: torch.optim.Optimizer,
+               groups: Seq[list[int]], progress: dict[str, Any], loop: Loop, step: Step,
+               after: Callable[[int, int, int], None] | None = None,
+               log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> bool:
+    """Every head's training loop: epochs over ``groups`` shuffled per epoch (by seed), one
+    optimizer step per group, checkpoints every ``checkpoint_every`` batches and at each epoch's
+    end, resuming at ``progress``. ``after(epoch, batch, batches)`` runs after each batch (a
+    held-out measure). Returns False when the time budget stopped it (with a checkpoint)."""
+    t0 = time.perf_counter()
+    for epoch in range(progress["epoch"], loop.epochs):
+        order = list(groups)
+        random.Random(loop.seed + epoch).shuffle(order)
+        bar = tqdm(total=len(order), initial=progress["batch"], desc=f"{loop.name} epoch {epoch + 1}/{loop.epochs}",
+                   unit="batch", file=sys.stderr)
+        for b in range(progress["batch"], len(order)):
+            if loop.time_budget_s is not None and time.perf_counter() - t0 > loop.time_budget_s:
+                save_checkpoint(folder, key, module, opt, {"epoch": epoch, "batch": b})
+                bar.close()
+                log(f"{loop.name}: time budget reached at epoch {epoch + 1}, batch {b}; rerun to resume")
+                return False
+            if loop.schedule_lr is not None:
+                for g in opt.param_groups:
+                    g["lr"] = learning_rate(loop.schedule_lr, epoch * len(order) + b, loop.epochs * len(order))
+            loss, fields = step(order[b])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", **fields)
+            bar.update(1)
+            if (b + 1) % loop.checkpoint_every == 0:
+                save_checkpoint(folder, key, module, opt, {"epoch": epoch, "batch": b + 1})
+            if after is not None:
+                after(epoch, b + 1, len(order))
+        bar.close()
+        progress = {"epoch": epoch + 1, "batch": 0}
+        save_checkpoint(folder, key, module, opt, progress)
+    return True

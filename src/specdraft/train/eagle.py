@@ -21,8 +21,6 @@ EAGLE-3 layout (:mod:`specdraft.heads.eagle_checkpoint`).
 from __future__ import annotations
 
 import json
-import math
-import random
 import sys
 import time
 from collections.abc import Callable, Sequence as Seq
@@ -32,7 +30,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from tqdm import tqdm
 
 from specdraft.errors import SpecdraftError
 from specdraft.heads.eagle import EagleHead
@@ -41,8 +38,8 @@ from specdraft.heads.mtp import MtpHead
 from specdraft.heads.mtp_checkpoint import save_mtp
 from specdraft.heads.eagle_checkpoint import save_eagle
 from specdraft.model.loader import LoadedModel
-from specdraft.train.common import (TeacherCache, data_fingerprint, draft_index, draft_vocabulary, reference_pairs,
-                                    resume, save_checkpoint, soft_cross_entropy, splits)
+from specdraft.train.common import (Loop, TeacherCache, data_fingerprint, draft_index, draft_vocabulary,
+                                    reference_pairs, resume, soft_cross_entropy, splits, train_loop)
 from specdraft.train.teacher import TeacherBatch, TeacherConfig, length_batches
 
 
@@ -154,15 +151,6 @@ def evaluate(head: FeatureHead, loaded: LoadedModel, batches: Seq[TeacherBatch],
     return ChainMeasure(total, accept, 1.0 + sum(reached[1:]) / total)
 
 
-def learning_rate(peak: float, step: int, total: int, warmup: int = 20, floor: float = 0.1) -> float:
-    """Linear warm-up over ``warmup`` steps, then a cosine down to ``floor * peak`` at ``total``
-    (a function of the step alone, so a resumed run continues the same schedule)."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    done = min(1.0, (step - warmup) / max(total - warmup, 1))
-    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * done)))
-
-
 def _curve(folder: Path, epoch: int, batch: int, batches: int, m: ChainMeasure) -> None:
     """Append one held-out measure to ``curve.jsonl`` (epochs done, as a fraction, and tau)."""
     row = {"epochs": round(epoch + batch / batches, 4), "tau": round(m.tau, 4),
@@ -224,40 +212,24 @@ def train_eagle(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: Eag
     held_cache = TeacherCache(loaded, held, teacher, keep=True)
     held_groups = length_batches([len(p) + len(a) for p, a in held], cfg.batch_tokens)
     to_draft = draft_index(vocab).to(loaded.model.device)
-    t0 = time.perf_counter()
-    teacher_s = 0.0
     groups = length_batches([len(p) + len(a) for p, a in pairs], cfg.batch_tokens)
-    for epoch in range(progress["epoch"], cfg.epochs):
-        order = list(groups)
-        random.Random(cfg.seed + epoch).shuffle(order)
-        bar = tqdm(total=len(order), initial=progress["batch"], desc=f"{kind} epoch {epoch + 1}/{cfg.epochs}",
-                   unit="batch", file=sys.stderr)
-        for b in range(progress["batch"], len(order)):
-            if cfg.time_budget_s is not None and time.perf_counter() - t0 > cfg.time_budget_s:
-                save_checkpoint(folder, key, head, opt, {"epoch": epoch, "batch": b})
-                bar.close()
-                log(f"{kind}: time budget reached at epoch {epoch + 1}, batch {b}; rerun to resume")
-                return ChainMeasure()
-            for g in opt.param_groups:
-                g["lr"] = learning_rate(cfg.lr, epoch * len(order) + b, cfg.epochs * len(order))
-            tb = time.perf_counter()
-            batch = cache.batch(order[b])
-            teacher_s += time.perf_counter() - tb
-            loss, acc = ttt_loss(head, loaded, batch, cfg, to_draft)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            share = teacher_s / max(time.perf_counter() - t0, 1e-9)
-            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", step1=f"{acc:.0%}", teacher=f"{share:.0%}")
-            bar.update(1)
-            if (b + 1) % cfg.checkpoint_every == 0:
-                save_checkpoint(folder, key, head, opt, {"epoch": epoch, "batch": b + 1})
-            if (b + 1) % cfg.eval_every == 0:
-                _curve(folder, epoch, b + 1, len(order), evaluate(head, loaded, list(held_cache.all(held_groups)),
-                                                                  cfg.eval_steps))
-        bar.close()
-        progress = {"epoch": epoch + 1, "batch": 0}
-        save_checkpoint(folder, key, head, opt, progress)
+    t0, teacher_s = time.perf_counter(), [0.0]
+
+    def step(group: list[int]) -> tuple[Tensor, dict[str, str]]:
+        tb = time.perf_counter()
+        batch = cache.batch(group)
+        teacher_s[0] += time.perf_counter() - tb
+        loss, acc = ttt_loss(head, loaded, batch, cfg, to_draft)
+        share = teacher_s[0] / max(time.perf_counter() - t0, 1e-9)
+        return loss, {"step1": f"{acc:.0%}", "teacher": f"{share:.0%}"}
+
+    def after(epoch: int, batch: int, batches: int) -> None:
+        if batch % cfg.eval_every == 0:
+            _curve(folder, epoch, batch, batches, evaluate(head, loaded, list(held_cache.all(held_groups)), cfg.eval_steps))
+
+    loop = Loop(kind, cfg.epochs, cfg.seed, cfg.checkpoint_every, cfg.time_budget_s, cfg.lr)
+    if not train_loop(folder, key, head, opt, groups, progress, loop, step, after, log):
+        return ChainMeasure()
     result = evaluate(head, loaded, list(held_cache.all(held_groups)), cfg.eval_steps)
     _curve(folder, cfg.epochs - 1, len(groups), len(groups), result)
     log(f"{kind}: {result.line()}")

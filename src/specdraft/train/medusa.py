@@ -18,9 +18,7 @@ same command continues from it (other settings are refused). The finished heads 
 
 from __future__ import annotations
 
-import random
 import sys
-import time
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,13 +26,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from tqdm import tqdm
 
 from specdraft.errors import SpecdraftError
 from specdraft.heads.medusa import MedusaConfig, MedusaHeads, save_medusa
 from specdraft.model.loader import LoadedModel
-from specdraft.train.common import (TeacherCache, data_fingerprint, draft_index, draft_vocabulary, resume,
-                                    save_checkpoint, soft_cross_entropy, splits)
+from specdraft.train.common import (Loop, TeacherCache, data_fingerprint, draft_index, draft_vocabulary, resume,
+                                    soft_cross_entropy, splits, train_loop)
 from specdraft.train.teacher import TeacherBatch, TeacherConfig, length_batches
 
 
@@ -148,31 +145,16 @@ def train_medusa(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: Me
     teacher = TeacherConfig(top_k=cfg.soft_top_k, batch_tokens=cfg.batch_tokens, max_len=cfg.max_len)
     cache = TeacherCache(loaded, pairs, teacher, keep=cfg.epochs > 1)
     to_draft = draft_index(vocab).to(model.device)
-    t0 = time.perf_counter()
     groups = length_batches([len(p) + len(a) for p, a in pairs], cfg.batch_tokens)
-    for epoch in range(progress["epoch"], cfg.epochs):
-        order = list(groups)
-        random.Random(cfg.seed + epoch).shuffle(order)
-        bar = tqdm(total=len(order), initial=progress["batch"], desc=f"medusa epoch {epoch + 1}/{cfg.epochs}",
-                   unit="batch", file=sys.stderr)
-        for b in range(progress["batch"], len(order)):
-            if cfg.time_budget_s is not None and time.perf_counter() - t0 > cfg.time_budget_s:
-                save_checkpoint(folder, key, heads, opt, {"epoch": epoch, "batch": b})
-                bar.close()
-                log(f"medusa: time budget reached at epoch {epoch + 1}, batch {b}; rerun to resume")
-                return HeldOut()
-            loss, counts = medusa_loss(heads, cache.batch(order[b]), to_draft)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            acc = sum(r for r, _ in counts[:1]) / max(sum(t for _, t in counts[:1]), 1)
-            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", head1=f"{acc:.0%}")
-            bar.update(1)
-            if (b + 1) % cfg.checkpoint_every == 0:
-                save_checkpoint(folder, key, heads, opt, {"epoch": epoch, "batch": b + 1})
-        bar.close()
-        progress = {"epoch": epoch + 1, "batch": 0}
-        save_checkpoint(folder, key, heads, opt, progress)
+
+    def step(group: list[int]) -> tuple[Tensor, dict[str, str]]:
+        loss, counts = medusa_loss(heads, cache.batch(group), to_draft)
+        acc = sum(r for r, _ in counts[:1]) / max(sum(t for _, t in counts[:1]), 1)
+        return loss, {"head1": f"{acc:.0%}"}
+
+    loop = Loop("medusa", cfg.epochs, cfg.seed, cfg.checkpoint_every, cfg.time_budget_s)
+    if not train_loop(folder, key, heads, opt, groups, progress, loop, step, log=log):
+        return HeldOut()
     held_cache = TeacherCache(loaded, held, teacher, keep=False)
     result = evaluate(heads, list(held_cache.all(length_batches([len(p) + len(a) for p, a in held], cfg.batch_tokens))))
     log(f"medusa: {result.line()}")
