@@ -60,234 +60,19 @@ the output exact.
 from __future__ import annotations
 
 import copy
-import statistics
-import time
 from bisect import bisect_right
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
-from typing import Literal
-
-import torch
 
 from specdraft.accept import Acceptance
 from specdraft.draft import Draft
 from specdraft.errors import SpecdraftError
-from specdraft.model.linear import PACKED_FROM_ROWS
-from specdraft.model.transformer import Transformer
+from specdraft.policy.config import PolicyConfig
+from specdraft.policy.cost import CostModel, ProposeCost
+from specdraft.policy.evidence import (LABEL_DECAY, PROBE_GAP_MAX, Evidence, Hold, decay_add, expected_tokens,
+                                       progress)
 
-
-@dataclass(frozen=True, slots=True)
-class PolicyConfig:
-    """kind: "fixed" always drafts k tokens; "adaptive" chooses 0..k per step (see module doc).
-    decay: weight kept by older draft outcomes at each new one. prior: alpha before any
-    evidence (worth one draft position). probe_every / probe_cost / look_cost: see the module doc.
-    objective: "batch-end" weighs a step by how much sooner a static batch ends (when the
-    caller passes remaining tokens; ``Engine.generate`` does), "throughput" by the tokens it
-    emits (for a batch that is refilled as rows finish)."""
-
-    kind: Literal["fixed", "adaptive"] = "adaptive"
-    k: int = 8
-    objective: Literal["batch-end", "throughput"] = "batch-end"
-    decay: float = 0.9
-    prior: float = 0.5
-    probe_every: int = 8
-    probe_cost: float = 1.6
-    look_cost: float = 0.05  # a proposer this cheap (share of a plain step) drafts before the gate; 0 = never
-    label_min: float = 8.0  # outcomes a draft label needs before its own alpha trims its drafts (and
-    # all requests pooled before their alpha replaces `prior` for new requests)
-    stop_after: int = 4  # a request whose last this many drafts all failed stops drafting for a while
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("fixed", "adaptive"):
-            raise SpecdraftError(f"policy must be 'fixed' or 'adaptive', got {self.kind!r}")
-        if not isinstance(self.k, int) or not 1 <= self.k <= 256:
-            raise SpecdraftError(f"draft length k must be an integer in 1..256, got {self.k!r}")
-        if not 0 < self.decay < 1 or not 0 < self.prior < 1:
-            raise SpecdraftError("policy decay and prior must be in (0, 1)")
-        if self.objective not in ("batch-end", "throughput"):
-            raise SpecdraftError(f"policy objective must be 'batch-end' or 'throughput', got {self.objective!r}")
-        if not 0 <= self.look_cost <= 1:
-            raise SpecdraftError(f"policy look_cost must be in [0, 1], got {self.look_cost!r}")
-        if self.probe_every < 1 or self.probe_cost < 1:
-            raise SpecdraftError("probe_every must be >= 1 and probe_cost >= 1")
-        if self.stop_after < 1:
-            raise SpecdraftError(f"policy stop_after must be >= 1, got {self.stop_after!r}")
-
-    @property
-    def probe_k(self) -> int:
-        return max(1, self.k // 2)
-
-
-@dataclass(slots=True)
-class CostModel:
-    """Measured latency (seconds) of one target forward over q new tokens per row, per batch
-    size. Measured on first use of a batch size (a handful of dummy forwards), or given."""
-
-    model: Transformer | None = None
-    table: dict[int, dict[int, float]] = field(default_factory=dict)  # batch -> q -> seconds
-    prefix: int = 128  # cached tokens per row during measurement
-
-    def latency(self, batch: int, q: int, q_max: int) -> float:
-        if batch not in self.table:
-            if self.model is None:
-                raise SpecdraftError(f"cost model has no measurement for batch {batch}")
-            self.table[batch] = measure_latency(self.model, batch, _grid(q_max), self.prefix)
-        return _interpolate(self.table[batch], q)
-
-
-def _grid(q_max: int) -> list[int]:
-    """The token counts measured: every one up to one past the CPU's kernel switch
-    (``PACKED_FROM_ROWS``, see ``model/linear.py``: the curve is not linear there), then 9,
-    17, 33, ... and q_max; latencies in between are interpolated."""
-    qs, q = list(range(1, min(q_max, PACKED_FROM_ROWS + 1) + 1)), 9
-    while q < q_max:
-        qs.append(q)
-        q = 2 * q - 1
-    return sorted(set(qs + [q_max]))
-
-
-def _interpolate(points: dict[int, float], q: int) -> float:
-    xs = sorted(points)
-    if q in points:
-        return points[q]
-    lo = max((x for x in xs if x < q), default=xs[0])
-    hi = min((x for x in xs if x > q), default=xs[-1])
-    if lo == hi:  # outside the grid: extend the last segment linearly
-        a, b = (xs[-2], xs[-1]) if q > xs[-1] and len(xs) > 1 else (xs[0], xs[min(1, len(xs) - 1)])
-        slope = (points[b] - points[a]) / (b - a) if b != a else 0.0
-        return max(points[lo] + slope * (q - lo), 1e-9)
-    w = (q - lo) / (hi - lo)
-    return points[lo] * (1 - w) + points[hi] * w
-
-
-@torch.inference_mode()
-def measure_latency(model: Transformer, batch: int, qs: Seq[int], prefix: int = 128, repeats: int = 3) -> dict[int, float]:
-    """Median seconds of a forward over q new tokens per row after ``prefix`` cached tokens.
-    Measured within the model's context: the prefix shrinks (and the widest q is capped) so
-    that prefix + q never passes it."""
-    device = model.device
-    limit = model.config.max_context
-    qs = sorted({min(q, limit) for q in qs})
-    prefix = max(0, min(prefix, limit - max(qs)))
-    cache = model.new_cache(batch, prefix + max(qs))
-    vocab = model.config.vocab_size
-    if prefix:
-        model(torch.randint(0, vocab, (batch, prefix), device=device),
-              torch.arange(prefix, device=device).expand(batch, prefix), cache, logits=False)
-    out: dict[int, float] = {}
-    for q in qs:
-        tokens = torch.randint(0, vocab, (batch, q), device=device)
-        positions = (prefix + torch.arange(q, device=device)).expand(batch, q)
-        times = []
-        for i in range(repeats + 1):
-            t0 = time.perf_counter()
-            model(tokens, positions, cache)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            cache.truncate(prefix)
-            if i:  # the first run is a warm-up
-                times.append(time.perf_counter() - t0)
-        out[q] = statistics.median(times)
-    return out
-
-
-def progress(expected: Seq[float], remaining: Seq[int] | None) -> float:
-    """How fast a batch moves in one step where live row i emits expected[i] tokens: the sum
-    (throughput) without ``remaining``; with it (a static batch, r[i] tokens left per row), the
-    share of its remaining work the slowest row does, min_i expected[i] / r[i], so that
-    progress / cost is the inverse of the time to the batch's end."""
-    if not expected:
-        return 0.0
-    if remaining is None:
-        return float(sum(expected))
-    return min(e / max(r, 1) for e, r in zip(expected, remaining))
-
-
-def expected_tokens(alpha: float, k: int) -> float:
-    """Expected tokens per pass with a k-token chain and per-token acceptance alpha."""
-    if alpha >= 1:
-        return k + 1.0
-    return (1 - alpha ** (k + 1)) / (1 - alpha)
-
-
-@dataclass(slots=True)
-class ProposeCost:
-    """The proposer's time per step as a + b * depth (depth = the deepest draft node), fitted
-    by least squares over the last ``window`` drafting steps. A lookup proposer costs a
-    constant; a draft model one forward per level. Until the depths vary, all of the time is
-    charged per level (the cautious reading: it discourages long drafts)."""
-
-    window: int = 64
-    samples: list[tuple[int, float]] = field(default_factory=list)
-
-    def observe(self, depth: int, seconds: float) -> None:
-        if depth <= 0:
-            return
-        self.samples.append((depth, seconds))
-        if len(self.samples) > self.window:
-            del self.samples[0]
-
-    def estimate(self, depth: int) -> float:
-        if depth <= 0 or not self.samples:
-            return 0.0
-        a, b = self.fit()
-        return max(a + b * depth, 0.0)
-
-    def fit(self) -> tuple[float, float]:
-        ds = [float(d) for d, _ in self.samples]
-        ts = [t for _, t in self.samples]
-        mean_d, mean_t = statistics.fmean(ds), statistics.fmean(ts)
-        var = statistics.fmean([(d - mean_d) ** 2 for d in ds])
-        if var < 0.25:
-            return 0.0, mean_t / mean_d
-        b = statistics.fmean([(d - mean_d) * (t - mean_t) for d, t in zip(ds, ts)]) / var
-        b = max(b, 0.0)
-        return max(mean_t - b * mean_d, 0.0), b
-
-
-@dataclass(slots=True)
-class _Evidence:
-    accepted: float = 0.0
-    rejected: float = 0.0
-    prior: float | None = None  # the alpha before any evidence (None: the config's)
-
-    @property
-    def outcomes(self) -> float:
-        return self.accepted + self.rejected
-
-    def alpha(self, prior: float) -> float:
-        p = prior if self.prior is None else self.prior
-        return (self.accepted + p) / (self.accepted + self.rejected + 1.0)
-
-
-@dataclass(slots=True)
-class _Hold:
-    """A request's own brake: ``streak`` drafts in a row that had no token accepted; once it
-    reaches ``stop_after`` the row stops drafting for ``wait`` steps (``gap``, doubled after
-    each failed retry up to ``PROBE_GAP_MAX``, back to ``probe_every`` once a draft pays)."""
-
-    gap: int
-    streak: int = 0
-    wait: int = 0
-
-    def observe(self, accepted: int, stop_after: int, base_gap: int) -> None:
-        if accepted > 0:
-            self.streak, self.gap, self.wait = 0, base_gap, 0
-            return
-        self.streak += 1
-        if self.streak >= stop_after:
-            self.wait, self.gap = self.gap, min(2 * self.gap, PROBE_GAP_MAX)
-
-
-PROBE_GAP_MAX = 64  # the longest wait between probes (steps), after probes that found nothing
 HORIZON_TOKENS = 64  # tokens a row is assumed to have left when the caller does not say
 PROBE_SETUP_SHARE = 0.02  # probes' setups may cost up to this share of the time between probes
-LABEL_DECAY = 0.98  # per-label evidence is pooled over many requests: it may remember longer
-
-
-def _decay_add(e: _Evidence, decay: float, accepted: float, rejected: float) -> None:
-    e.accepted = decay * e.accepted + accepted
-    e.rejected = decay * e.rejected + rejected
 
 
 class Policy:
@@ -296,10 +81,10 @@ class Policy:
             raise SpecdraftError("the adaptive policy needs a cost model")
         self.config = config
         self.cost = cost
-        self.evidence: dict[int, _Evidence] = {}
-        self.by_label: dict[str, _Evidence] = {}  # across requests: draft label -> outcomes
-        self.pooled = _Evidence()  # across requests: every outcome (the prior of new requests)
-        self.holds: dict[int, _Hold] = {}  # per row: its failure streak and how long it waits
+        self.evidence: dict[int, Evidence] = {}
+        self.by_label: dict[str, Evidence] = {}  # across requests: draft label -> outcomes
+        self.pooled = Evidence()  # across requests: every outcome (the prior of new requests)
+        self.holds: dict[int, Hold] = {}  # per row: its failure streak and how long it waits
         self.idle_steps = 0  # consecutive steps the adaptive policy chose not to speculate
         self.probing = False  # the last budgets() call was a probe
         self.probe_gap = config.probe_every  # idle steps before the next probe
@@ -327,8 +112,8 @@ class Policy:
             self.cost.latency(batch, 1, 1 + self.config.k)
 
     def begin(self, row: int) -> None:
-        self.evidence[row] = _Evidence(prior=self.pooled_alpha())
-        self.holds[row] = _Hold(gap=self.config.probe_every)
+        self.evidence[row] = Evidence(prior=self.pooled_alpha())
+        self.holds[row] = Hold(gap=self.config.probe_every)
 
     def pooled_alpha(self) -> float:
         """The alpha of all outcomes so far, once there are ``label_min`` of them (else the
@@ -348,7 +133,7 @@ class Policy:
         return hold is not None and hold.wait > 0
 
     def alpha(self, row: int) -> float:
-        return self.evidence.get(row, _Evidence()).alpha(self.config.prior)
+        return self.evidence.get(row, Evidence()).alpha(self.config.prior)
 
     def budgets(self, caps: Seq[int], batch: int, remaining: Seq[int] | None = None,
                 setup: Seq[float] | None = None) -> list[int]:
@@ -460,15 +245,15 @@ class Policy:
         if depth == 0 or row not in self.evidence:
             return
         rejected = 1.0 if acceptance.accepted < depth else 0.0
-        _decay_add(self.evidence[row], self.config.decay, acceptance.accepted, rejected)
-        _decay_add(self.pooled, LABEL_DECAY, acceptance.accepted, rejected)
+        decay_add(self.evidence[row], self.config.decay, acceptance.accepted, rejected)
+        decay_add(self.pooled, LABEL_DECAY, acceptance.accepted, rejected)
         if self.config.kind == "adaptive":  # the fixed policy always drafts k
             self.holds[row].observe(acceptance.accepted, self.config.stop_after, self.config.probe_every)
         if self.probing and acceptance.accepted > 0:
             self.probe_paid = True
         if draft.label:
-            e = self.by_label.setdefault(draft.label, _Evidence())
-            _decay_add(e, LABEL_DECAY, acceptance.accepted, rejected)
+            e = self.by_label.setdefault(draft.label, Evidence())
+            decay_add(e, LABEL_DECAY, acceptance.accepted, rejected)
 
     def label_alpha(self, label: str) -> float | None:
         """The label's own alpha, once it has ``label_min`` outcomes (else None)."""

@@ -1,0 +1,123 @@
+"""What speculation costs: the target's measured forward latency against the tokens per row
+(``CostModel``), and the proposer's time against the draft budget (``ProposeCost``)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from specdraft.errors import SpecdraftError
+from specdraft.model.linear import PACKED_FROM_ROWS
+from specdraft.model.transformer import Transformer
+
+
+@dataclass(slots=True)
+class CostModel:
+    """Measured latency (seconds) of one target forward over q new tokens per row, per batch
+    size. Measured on first use of a batch size (a handful of dummy forwards), or given."""
+
+    model: Transformer | None = None
+    table: dict[int, dict[int, float]] = field(default_factory=dict)  # batch -> q -> seconds
+    prefix: int = 128  # cached tokens per row during measurement
+
+    def latency(self, batch: int, q: int, q_max: int) -> float:
+        if batch not in self.table:
+            if self.model is None:
+                raise SpecdraftError(f"cost model has no measurement for batch {batch}")
+            self.table[batch] = measure_latency(self.model, batch, _grid(q_max), self.prefix)
+        return _interpolate(self.table[batch], q)
+
+
+def _grid(q_max: int) -> list[int]:
+    """The token counts measured: every one up to one past the CPU's kernel switch
+    (``PACKED_FROM_ROWS``, see ``model/linear.py``: the curve is not linear there), then 9,
+    17, 33, ... and q_max; latencies in between are interpolated."""
+    qs, q = list(range(1, min(q_max, PACKED_FROM_ROWS + 1) + 1)), 9
+    while q < q_max:
+        qs.append(q)
+        q = 2 * q - 1
+    return sorted(set(qs + [q_max]))
+
+
+def _interpolate(points: dict[int, float], q: int) -> float:
+    xs = sorted(points)
+    if q in points:
+        return points[q]
+    lo = max((x for x in xs if x < q), default=xs[0])
+    hi = min((x for x in xs if x > q), default=xs[-1])
+    if lo == hi:  # outside the grid: extend the last segment linearly
+        a, b = (xs[-2], xs[-1]) if q > xs[-1] and len(xs) > 1 else (xs[0], xs[min(1, len(xs) - 1)])
+        slope = (points[b] - points[a]) / (b - a) if b != a else 0.0
+        return max(points[lo] + slope * (q - lo), 1e-9)
+    w = (q - lo) / (hi - lo)
+    return points[lo] * (1 - w) + points[hi] * w
+
+
+@torch.inference_mode()
+def measure_latency(model: Transformer, batch: int, qs: Seq[int], prefix: int = 128, repeats: int = 3) -> dict[int, float]:
+    """Median seconds of a forward over q new tokens per row after ``prefix`` cached tokens.
+    Measured within the model's context: the prefix shrinks (and the widest q is capped) so
+    that prefix + q never passes it."""
+    device = model.device
+    limit = model.config.max_context
+    qs = sorted({min(q, limit) for q in qs})
+    prefix = max(0, min(prefix, limit - max(qs)))
+    cache = model.new_cache(batch, prefix + max(qs))
+    vocab = model.config.vocab_size
+    if prefix:
+        model(torch.randint(0, vocab, (batch, prefix), device=device),
+              torch.arange(prefix, device=device).expand(batch, prefix), cache, logits=False)
+    out: dict[int, float] = {}
+    for q in qs:
+        tokens = torch.randint(0, vocab, (batch, q), device=device)
+        positions = (prefix + torch.arange(q, device=device)).expand(batch, q)
+        times = []
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            model(tokens, positions, cache)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            cache.truncate(prefix)
+            if i:  # the first run is a warm-up
+                times.append(time.perf_counter() - t0)
+        out[q] = statistics.median(times)
+    return out
+
+
+@dataclass(slots=True)
+class ProposeCost:
+    """The proposer's time per step as a + b * depth (depth = the deepest draft node), fitted
+    by least squares over the last ``window`` drafting steps. A lookup proposer costs a
+    constant; a draft model one forward per level. Until the depths vary, all of the time is
+    charged per level (the cautious reading: it discourages long drafts)."""
+
+    window: int = 64
+    samples: list[tuple[int, float]] = field(default_factory=list)
+
+    def observe(self, depth: int, seconds: float) -> None:
+        if depth <= 0:
+            return
+        self.samples.append((depth, seconds))
+        if len(self.samples) > self.window:
+            del self.samples[0]
+
+    def estimate(self, depth: int) -> float:
+        if depth <= 0 or not self.samples:
+            return 0.0
+        a, b = self.fit()
+        return max(a + b * depth, 0.0)
+
+    def fit(self) -> tuple[float, float]:
+        ds = [float(d) for d, _ in self.samples]
+        ts = [t for _, t in self.samples]
+        mean_d, mean_t = statistics.fmean(ds), statistics.fmean(ts)
+        var = statistics.fmean([(d - mean_d) ** 2 for d in ds])
+        if var < 0.25:
+            return 0.0, mean_t / mean_d
+        b = statistics.fmean([(d - mean_d) * (t - mean_t) for d, t in zip(ds, ts)]) / var
+        b = max(b, 0.0)
+        return max(mean_t - b * mean_d, 0.0), b
