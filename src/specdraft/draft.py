@@ -28,6 +28,9 @@ class Draft:
     # distribution or deterministic, for lossless sampling.
     label: str = ""  # the kind of evidence behind the draft (e.g. "n3": a 3-token match); the
     # adaptive policy learns acceptance per label and trims drafts whose label rarely pays
+    confidence: tuple[float, ...] | None = None  # [N] the proposer's estimate that node i is
+    # accepted (EAGLE: its path's cumulative draft probability), never above its parent's; the
+    # adaptive policy calibrates it and keeps the ``top`` nodes that pay (None: no estimate)
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
@@ -37,6 +40,11 @@ class Draft:
                 raise ValueError(f"draft node {i} has parent {p}; parents must come first (-1 = root)")
         if self.p_draft is not None and self.p_draft.shape[0] != len(self.tokens):
             raise ValueError(f"p_draft has {self.p_draft.shape[0]} rows for {len(self.tokens)} nodes")
+        if self.confidence is not None:
+            if len(self.confidence) != len(self.tokens):
+                raise ValueError(f"draft has {len(self.confidence)} confidences for {len(self.tokens)} nodes")
+            if any(c > self.confidence[p] for c, p in zip(self.confidence, self.parents) if p >= 0):
+                raise ValueError("a draft node's confidence is above its parent's")
 
     # -- constructors -------------------------------------------------------------------------
     @classmethod
@@ -103,13 +111,33 @@ class Draft:
 
     def up_to_depth(self, depth: int) -> "Draft":
         """The nodes at most ``depth`` deep (parents re-indexed, p_draft rows kept with them)."""
-        keep = [i for i, d in enumerate(self.depths()) if d <= depth]
+        return self.subset([i for i, d in enumerate(self.depths()) if d <= depth])
+
+    def by_confidence(self) -> list[int]:
+        """Node indices from the most to the least confident (ties: earlier first), so that
+        every prefix of the order holds its nodes' parents. Requires ``confidence``."""
+        if self.confidence is None:
+            raise ValueError("the draft has no confidences")
+        conf = self.confidence
+        return sorted(range(len(self)), key=lambda i: (-conf[i], i))
+
+    def top(self, n: int) -> "Draft":
+        """The ``n`` most confident nodes (a tree: a child is never more confident than its
+        parent, and ties keep the earlier node, which is the parent)."""
+        return self.subset(sorted(self.by_confidence()[: max(n, 0)]))
+
+    def subset(self, keep: list[int]) -> "Draft":
+        """The nodes ``keep`` (ascending; each one's parent kept too), re-indexed, with their
+        p_draft rows and confidences."""
         if len(keep) == len(self):
             return self
         new = {old: j for j, old in enumerate(keep)}
+        if any(self.parents[i] >= 0 and self.parents[i] not in new for i in keep):
+            raise ValueError("a draft subset must keep each node's parent")
         p_draft = self.p_draft[keep] if self.p_draft is not None else None
+        conf = tuple(self.confidence[i] for i in keep) if self.confidence is not None else None
         return Draft(tuple(self.tokens[i] for i in keep), tuple(new.get(self.parents[i], -1) for i in keep),
-                     p_draft, self.label)
+                     p_draft, self.label, conf)
 
     def path_to(self, node: int) -> list[int]:
         path = []

@@ -279,9 +279,9 @@ class Engine:
         lengths = list(cache.lengths)
         t0 = time.perf_counter()
         drafts = self.proposer.propose(active, budgets, cache)
-        depth = max((max(d.depths(), default=0) for d in drafts), default=0)
-        if depth:  # before trimming: what was paid for is what was drafted
-            self.policy.observe_propose_time(depth, time.perf_counter() - t0)
+        asked = max((b for b, s in zip(budgets, active) if s is not None), default=0)
+        if asked:  # what a budget costs, whatever was found
+            self.policy.observe_propose_time(asked, time.perf_counter() - t0)
         if cache.lengths != lengths:
             raise RuntimeError(f"proposer {self.proposer.name} changed the target cache's lengths")
         drafts = self.policy.trim(drafts, len(seqs), [not s.finished for s in seqs], remaining(seqs))

@@ -55,6 +55,17 @@ depth that pays for the whole batch now that it is known which rows found a draf
 forward is as wide as the widest row, so at batch 32 one row's 8-token draft would make 31
 draftless rows pay for it. Trimming depends only on past outcomes and the drafts, so it keeps
 the output exact.
+
+A proposer may score its nodes (``Draft.confidence``: EAGLE's path probabilities; see
+``policy/scored.py``). Its drafts are then priced by their own scores, calibrated per depth with
+what was accepted, instead of by a chain's alpha: a tree of 8 nodes of which 2 are accepted on
+average is worth 2 tokens however its nodes are spread. The budget is the number of nodes n with
+the most progress per second, each row expected to yield what its recent drafts' n most
+confident nodes did (every ``probe_every`` drafting steps, the whole k is asked for, so that
+what more nodes would yield stays known); trimming keeps the n most confident nodes of every row's draft, for the n
+that pays for the whole batch given the confidences actually drafted. Such drafts do not use the
+per-request brake: each row's expectations are scaled by its own record instead (the tokens its
+drafts yielded against what they were expected to).
 """
 
 from __future__ import annotations
@@ -70,6 +81,7 @@ from specdraft.policy.config import PolicyConfig
 from specdraft.policy.cost import CostModel, ProposeCost
 from specdraft.policy.evidence import (LABEL_DECAY, PROBE_GAP_MAX, Evidence, Hold, decay_add, expected_tokens,
                                        progress)
+from specdraft.policy.scored import Calibration, Outlook
 
 HORIZON_TOKENS = 64  # tokens a row is assumed to have left when the caller does not say
 PROBE_SETUP_SHARE = 0.02  # probes' setups may cost up to this share of the time between probes
@@ -90,11 +102,16 @@ class Policy:
         self.probe_gap = config.probe_every  # idle steps before the next probe
         self.probe_paid = False  # some row accepted a token of the current probe
         self.looking = False  # this step drafts first and is gated in trim() (cheap proposer)
-        self.propose_cost = ProposeCost()  # the proposer's measured time against draft depth
+        self.propose_cost = ProposeCost()  # the proposer's measured time against its budget
+        self.calibration: dict[str, Calibration] = {}  # draft label -> its confidences against outcomes
+        self.outlooks: dict[int, Outlook] = {}  # per row: what its confident drafts were expected to yield
+        self.pooled_outlook = Outlook()  # the same across requests (where a new request starts)
+        self.since_full = 0  # drafting steps since the last one with the whole budget k (scored drafts)
 
     # what the policy has learned (per row and across requests), without the cost model
     _MEMORY = ("evidence", "by_label", "pooled", "holds", "idle_steps", "probing", "probe_gap", "probe_paid",
-               "looking", "propose_cost")
+               "looking", "propose_cost", "calibration", "outlooks", "pooled_outlook",
+               "since_full")
 
     def snapshot(self) -> dict[str, object]:
         """A copy of what the policy has learned, for ``restore``: a benchmark's repeats each
@@ -114,6 +131,7 @@ class Policy:
     def begin(self, row: int) -> None:
         self.evidence[row] = Evidence(prior=self.pooled_alpha())
         self.holds[row] = Hold(gap=self.config.probe_every)
+        self.outlooks[row] = self.pooled_outlook.restart()
 
     def pooled_alpha(self) -> float:
         """The alpha of all outcomes so far, once there are ``label_min`` of them (else the
@@ -125,6 +143,7 @@ class Policy:
     def end(self, row: int) -> None:
         self.evidence.pop(row, None)
         self.holds.pop(row, None)
+        self.outlooks.pop(row, None)
 
     def held(self, row: int) -> bool:
         """Whether the row's own recent drafts all failed (``stop_after`` in a row) and it is
@@ -153,7 +172,13 @@ class Policy:
         self.looking = paying == 0 and self._cheap_to_look(batch)
         if self.looking:  # drafting is nearly free: see the drafts first, decide in trim()
             return [min(k, c) for c in caps]
-        best = self.best_length(caps, batch, self._remaining(remaining))
+        if self.pooled_outlook.known:  # the proposer scores its nodes: budget by their expected yield
+            best = self.scored_length(caps, batch, self._remaining(remaining))
+            self.since_full = 0 if best == k else self.since_full + (best > 0)
+            if self.since_full >= self.config.probe_every:  # now and then the whole budget: the
+                best, self.since_full = k, 0  # outlook learns what more nodes would yield (trim still cuts)
+        else:
+            best = self.best_length(caps, batch, self._remaining(remaining))
         if best > 0 and paying > 0 and not self._repays(best, paying, caps, batch, remaining):
             best = 0
         best = self._gate(best, batch, paying)
@@ -240,6 +265,25 @@ class Policy:
                 best, best_rate = k, gain / cost
         return best
 
+    def scored_length(self, caps: Seq[int], batch: int, remaining: Seq[int] | None = None) -> int:
+        """For a proposer whose drafts carry confidences: the budget n in 0..k with the most
+        progress per second, each live row expected to gain its outlook's yield for n nodes
+        (``scored``), at the cost of verifying n nodes and proposing with budget n."""
+        assert self.cost is not None
+        live = [row for row, c in enumerate(caps) if c > 0 or (remaining is not None and remaining[row] > 0)]
+        if not any(caps[row] > 0 for row in live):
+            return 0
+        q_max = 1 + self.config.k
+        left = None if remaining is None else [remaining[row] for row in live]
+        outlooks = [self.outlooks.get(row, self.pooled_outlook) for row in live]
+        best, best_rate = 0, progress([1.0] * len(live), left) / self.cost.latency(batch, 1, q_max)
+        for n in range(1, self.config.k + 1):
+            gain = progress([1.0 + o.at(min(n, caps[row])) for o, row in zip(outlooks, live)], left)
+            rate = gain / (self.cost.latency(batch, 1 + n, q_max) + self.propose_cost.estimate(n))
+            if rate > best_rate:
+                best, best_rate = n, rate
+        return best
+
     def observe(self, row: int, draft: Draft, acceptance: Acceptance) -> None:
         depth = max(draft.depths(), default=0)
         if depth == 0 or row not in self.evidence:
@@ -247,13 +291,19 @@ class Policy:
         rejected = 1.0 if acceptance.accepted < depth else 0.0
         decay_add(self.evidence[row], self.config.decay, acceptance.accepted, rejected)
         decay_add(self.pooled, LABEL_DECAY, acceptance.accepted, rejected)
-        if self.config.kind == "adaptive":  # the fixed policy always drafts k
+        scored = draft.confidence is not None
+        if self.config.kind == "adaptive" and not scored:  # (the fixed policy always drafts k)
             self.holds[row].observe(acceptance.accepted, self.config.stop_after, self.config.probe_every)
         if self.probing and acceptance.accepted > 0:
             self.probe_paid = True
         if draft.label:
             e = self.by_label.setdefault(draft.label, Evidence())
             decay_add(e, LABEL_DECAY, acceptance.accepted, rejected)
+        if scored:  # the row's record against its drafts' expected yield (before they teach the calibration)
+            calibration = self.calibration.setdefault(draft.label, Calibration())
+            self.outlooks.setdefault(row, Outlook()).observe(calibration.gains(draft)[-1], acceptance.accepted,
+                                                             self.config.decay)
+            calibration.observe(draft, acceptance, LABEL_DECAY)
 
     def label_alpha(self, label: str) -> float | None:
         """The label's own alpha, once it has ``label_min`` outcomes (else None)."""
@@ -271,12 +321,52 @@ class Policy:
         if self.config.kind != "adaptive":
             return drafts
         out = [Draft.empty() if self.held(row) else d for row, d in enumerate(self.trim_labels(drafts, batch))]
+        scored = any(d.confidence is not None and len(d) for d in out)
+        if scored:
+            gains = self._expect(out)
         if self.probing:
             return out
-        depth = self.batch_depth(out, batch, live, self._remaining(remaining))
+        if scored:
+            size = self.batch_size_scored(out, gains, batch, live, self._remaining(remaining))
+        else:
+            size = self.batch_depth(out, batch, live, self._remaining(remaining))
         if self.looking and any(len(d) for d in out):  # the budget was not gated: gate here
-            depth = self._gate(depth, batch)
-        return [d.up_to_depth(depth) for d in out]
+            size = self._gate(size, batch)
+        return [d.top(size) if d.confidence is not None else d.up_to_depth(size) for d in out]
+
+    def _expect(self, drafts: Seq[Draft]) -> list[list[float]]:
+        """Each draft's calibrated expected yield per number of nodes kept (``scored``), scaled
+        by its row's record; the unscaled yields are added to the row's outlook and the pooled one."""
+        out = []
+        for row, d in enumerate(drafts):
+            if d.confidence is None or not len(d):
+                out.append([0.0])
+                continue
+            gains = self.calibration.get(d.label, Calibration()).gains(d)
+            outlook = self.outlooks.setdefault(row, Outlook())
+            outlook.add(gains, self.config.decay)
+            self.pooled_outlook.add(gains, LABEL_DECAY)
+            out.append([g * outlook.realism for g in gains])
+        return out
+
+    def batch_size_scored(self, drafts: Seq[Draft], gains: Seq[Seq[float]], batch: int,
+                          live: Seq[bool] | None = None, remaining: Seq[int] | None = None) -> int:
+        """The number n of most confident nodes to keep in every row's draft that makes the
+        batch progress fastest per second: row i emits 1 + gains[i][min(n, its nodes)] tokens,
+        the forward costs latency(batch, 1 + the widest row's kept nodes)."""
+        assert self.cost is not None
+        live = [True] * len(drafts) if live is None else live
+        widest = max(len(d) for d in drafts)
+        rows = [g for g, on in zip(gains, live) if on]
+        left = None if remaining is None else [r for r, on in zip(remaining, live) if on]
+        q_max = 1 + self.config.k
+        best, best_rate = 0, progress([1.0] * len(rows), left) / self.cost.latency(batch, 1, q_max)
+        for n in range(1, widest + 1):
+            gain = progress([1.0 + g[min(n, len(g) - 1)] for g in rows], left)
+            rate = gain / self.cost.latency(batch, 1 + n, q_max)
+            if rate > best_rate:
+                best, best_rate = n, rate
+        return best
 
     def trim_labels(self, drafts: list[Draft], batch: int) -> list[Draft]:
         """Cut each labelled draft to the depth that maximises expected tokens per second with
@@ -284,7 +374,7 @@ class Policy:
         assert self.cost is not None
         out = []
         for d in drafts:
-            alpha = self.label_alpha(d.label) if d.label and len(d) else None
+            alpha = self.label_alpha(d.label) if d.label and len(d) and d.confidence is None else None
             if alpha is None:
                 out.append(d)
                 continue
@@ -324,6 +414,6 @@ class Policy:
         alpha = self.label_alpha(d.label) if d.label else None
         return self.alpha(row) if alpha is None else alpha
 
-    def observe_propose_time(self, depth: int, seconds: float) -> None:
-        """One drafting step took ``seconds`` for drafts at most ``depth`` deep."""
-        self.propose_cost.observe(depth, seconds)
+    def observe_propose_time(self, budget: int, seconds: float) -> None:
+        """One drafting step with rows' budgets up to ``budget`` took ``seconds``."""
+        self.propose_cost.observe(budget, seconds)

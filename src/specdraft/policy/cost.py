@@ -28,7 +28,7 @@ class CostModel:
         if batch not in self.table:
             if self.model is None:
                 raise SpecdraftError(f"cost model has no measurement for batch {batch}")
-            self.table[batch] = measure_latency(self.model, batch, _grid(q_max), self.prefix)
+            self.table[batch] = monotone(measure_latency(self.model, batch, _grid(q_max), self.prefix))
         return _interpolate(self.table[batch], q)
 
 
@@ -41,6 +41,22 @@ def _grid(q_max: int) -> list[int]:
         qs.append(q)
         q = 2 * q - 1
     return sorted(set(qs + [q_max]))
+
+
+def monotone(points: dict[int, float]) -> dict[int, float]:
+    """The closest (least squares) non-decreasing curve through measured latencies: a forward
+    over more tokens never costs less, and a noisy point must not make the policy think so
+    (pool-adjacent-violators: neighbours out of order are replaced by their mean)."""
+    xs = sorted(points)
+    blocks: list[list[float]] = []  # [sum, count] per pooled run of points
+    for x in xs:
+        blocks.append([points[x], 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    values = [b[0] / b[1] for b in blocks for _ in range(int(b[1]))]
+    return dict(zip(xs, values))
 
 
 def _interpolate(points: dict[int, float], q: int) -> float:
@@ -58,7 +74,7 @@ def _interpolate(points: dict[int, float], q: int) -> float:
 
 
 @torch.inference_mode()
-def measure_latency(model: Transformer, batch: int, qs: Seq[int], prefix: int = 128, repeats: int = 3) -> dict[int, float]:
+def measure_latency(model: Transformer, batch: int, qs: Seq[int], prefix: int = 128, repeats: int = 5) -> dict[int, float]:
     """Median seconds of a forward over q new tokens per row after ``prefix`` cached tokens.
     Measured within the model's context: the prefix shrinks (and the widest q is capped) so
     that prefix + q never passes it."""
@@ -90,26 +106,27 @@ def measure_latency(model: Transformer, batch: int, qs: Seq[int], prefix: int = 
 
 @dataclass(slots=True)
 class ProposeCost:
-    """The proposer's time per step as a + b * depth (depth = the deepest draft node), fitted
-    by least squares over the last ``window`` drafting steps. A lookup proposer costs a
-    constant; a draft model one forward per level. Until the depths vary, all of the time is
-    charged per level (the cautious reading: it discourages long drafts)."""
+    """The proposer's time per step as a + b * budget (the largest draft budget a row had),
+    fitted by least squares over the last ``window`` drafting steps: what asking for a draft
+    of that size costs. A lookup proposer costs a constant; a draft model one forward per
+    token; a tree drafter one step per level up to its depth. Until the budgets vary, all of
+    the time is charged per token (the cautious reading: it discourages long drafts)."""
 
     window: int = 64
     samples: list[tuple[int, float]] = field(default_factory=list)
 
-    def observe(self, depth: int, seconds: float) -> None:
-        if depth <= 0:
+    def observe(self, budget: int, seconds: float) -> None:
+        if budget <= 0:
             return
-        self.samples.append((depth, seconds))
+        self.samples.append((budget, seconds))
         if len(self.samples) > self.window:
             del self.samples[0]
 
-    def estimate(self, depth: int) -> float:
-        if depth <= 0 or not self.samples:
+    def estimate(self, budget: int) -> float:
+        if budget <= 0 or not self.samples:
             return 0.0
         a, b = self.fit()
-        return max(a + b * depth, 0.0)
+        return max(a + b * budget, 0.0)
 
     def fit(self) -> tuple[float, float]:
         ds = [float(d) for d, _ in self.samples]

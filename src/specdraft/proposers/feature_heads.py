@@ -12,8 +12,9 @@ whose output predicts the token after the bonus token. Then:
   are fed to the head (each with its parent's state and seeing only its own ancestors'
   entries), and each gives its ``topk`` likeliest children;
 - the draft keeps the ``N`` nodes of highest cumulative log-probability (N = the row's
-  budget: the policy sizes it from the measured verification cost), which is a tree
-  since a child never scores above its parent.
+  budget), which is a tree since a child never scores above its parent. Each node carries
+  its path's probability as its ``confidence``: the adaptive policy calibrates it against
+  what is accepted and keeps as many nodes as pay for their verification.
 
 ``topk=1`` is a chain. Drafts are deterministic (the top k of the head's distribution), so
 sampled rows stay exact. Drafted entries are scratch: the committed length only grows by
@@ -215,21 +216,12 @@ class FeatureHeadProposer:
 
 
 def _best_tree(tokens: Tensor, parents: Tensor, scores: Tensor, budget: int, label: str) -> Draft:
-    """The ``budget`` nodes of highest score (ties: earlier first), in creation order. A child
-    scores at most its parent and comes later, so the chosen set holds every chosen node's
-    parent. tokens, parents, scores: [M]."""
-    score, token, parent = scores.tolist(), tokens.tolist(), parents.tolist()
-    order = sorted(range(len(token)), key=lambda i: (-score[i], i))[:budget]
-    keep = [i for i in sorted(order)]
-    index: dict[int, int] = {}
-    toks, pars = [], []
-    for i in keep:
-        if parent[i] >= 0 and parent[i] not in index:  # (only with a NaN score: drop an orphan)
-            continue
-        index[i] = len(toks)
-        toks.append(token[i])
-        pars.append(-1 if parent[i] < 0 else index[parent[i]])
-    return Draft(tuple(toks), tuple(pars), label=label)
+    """The ``budget`` candidates of highest cumulative log-probability, each with its path's
+    probability as its confidence (``Draft.top``: a child never scores above its parent).
+    tokens, parents, scores: [M], parents before children."""
+    conf = scores.nan_to_num(float("-inf")).exp().tolist()  # [M]
+    draft = Draft(tuple(tokens.tolist()), tuple(parents.tolist()), label=label, confidence=tuple(conf))
+    return draft.top(budget)
 
 
 def eagle_from_context(options: EagleOptions, context: ProposerContext | None) -> FeatureHeadProposer:
