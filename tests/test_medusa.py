@@ -73,7 +73,7 @@ def test_checkpoints_round_trip_and_bad_ones_are_refused_in_one_line(tiny: Loade
 @torch.inference_mode()
 def test_drafts_are_the_heads_guesses_from_the_last_committed_state(tiny: LoadedModel) -> None:
     heads = random_heads(tiny)
-    proposer = MedusaProposer(heads, branches=2)
+    proposer = MedusaProposer(heads, topk=2)
     seen = []
     real = proposer.propose
 
@@ -90,26 +90,32 @@ def test_drafts_are_the_heads_guesses_from_the_last_committed_state(tiny: Loaded
         n = len(tokens) - 1  # the state is the target's at the token before the root
         cache = tiny.model.new_cache(1, n)
         state = tiny.model(torch.tensor([tokens[:n]]), torch.arange(n)[None], cache).last_hidden[0, -1]
-        top = heads.target_ids[heads(state).topk(2, dim=-1).indices]  # [K, 2]
-        chain = top[:, 0].tolist()
-        want = Draft_from(chain, int(top[0, 1]), budget)
-        assert (draft.tokens, draft.parents) == (want.tokens, want.parents)
+        probs = heads(state).float().softmax(-1).topk(2, dim=-1)  # [K, 2]
+        want = _best_paths(heads.target_ids[probs.indices].tolist(), probs.values.tolist(), budget)
+        got = {tuple(draft.tokens[i] for i in draft.path_to(n)): c for n, c in enumerate(draft.confidence)}
+        assert set(got) == set(want)
+        assert all(got[path] == pytest.approx(want[path], rel=1e-5) for path in got)
 
 
-def Draft_from(chain: list[int], second: int, budget: int):  # type: ignore[no-untyped-def]
-    from specdraft.draft import Draft
+def _best_paths(ids: list[list[int]], probs: list[list[float]], budget: int) -> dict[tuple[int, ...], float]:
+    """Every path of the heads' candidate tree with its product of probabilities, by brute
+    force; the ``budget`` best (ties broken by the path's first-candidate order, as best-first)."""
+    paths: list[tuple[tuple[int, ...], float, tuple[int, ...]]] = [((), 1.0, ())]
+    for d in range(len(ids)):
+        paths += [(p + (ids[d][j],), c * probs[d][j], o + (j,)) for p, c, o in paths if len(p) == d
+                  for j in range(len(ids[d]))]
+    ranked = sorted((x for x in paths if x[0]), key=lambda x: (-x[1], len(x[0]), x[2]))[:budget]
+    return {p: c for p, c, _ in ranked}
 
-    return Draft.from_paths([chain, [second, *chain[1:]]], max_nodes=budget, label="medusa")
 
-
-@pytest.mark.parametrize("branches", [1, 3], ids=["chain", "tree"])
+@pytest.mark.parametrize("topk", [1, 3], ids=["chain", "tree"])
 @pytest.mark.parametrize("policy", ["fixed", "adaptive"])
-def test_greedy_output_equals_plain(tiny: LoadedModel, branches: int, policy: str) -> None:
+def test_greedy_output_equals_plain(tiny: LoadedModel, topk: int, policy: str) -> None:
     batch = prompts(tiny)
     plain = Engine(tiny.model, tiny.tokenizer).generate(batch, GEN)
     cost = cost_table(len(batch)) if policy == "adaptive" else None
     policy_ = Policy(PolicyConfig(kind=policy, k=4, objective="throughput", stop_after=10**6), cost)
-    engine = Engine(tiny.model, tiny.tokenizer, MedusaProposer(random_heads(tiny), branches), policy_)
+    engine = Engine(tiny.model, tiny.tokenizer, MedusaProposer(random_heads(tiny), topk), policy_)
     stats = SpecStats()
     got = engine.generate(batch, GEN, stats=stats)
     assert [r.tokens for r in got] == [r.tokens for r in plain]
@@ -135,7 +141,7 @@ def test_sampled_siblings_are_lossless(sibling_setup, monkeypatch: pytest.Monkey
         heads.lm_head.weight.zero_()
         for score, token in zip((3.0, 2.0, 1.0), second):  # logits = score at the prompt's state
             heads.lm_head.weight[token] = score * state / state.dot(state)
-    check_siblings_lossless(sibling_setup, lambda _m, _t: MedusaProposer(heads, branches=3), 4, monkeypatch,
+    check_siblings_lossless(sibling_setup, lambda _m, _t: MedusaProposer(heads, topk=3), 4, monkeypatch,
                             catches_the_bug=False)
 
 
