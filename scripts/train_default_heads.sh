@@ -18,3 +18,15 @@ WEIGHTS=src/specdraft/weights/SmolLM2-135M-Instruct.Q4_1
   --epochs 2 --lr 1e-3 --batch-tokens 1024 --steps 3
 mkdir -p "$WEIGHTS/eagle"
 cp runs/eagle-main/config.json runs/eagle-main/model.safetensors "$WEIGHTS/eagle/"
+
+# 3. the MTP module (DeepSeek-V3 layout), the same data and settings as the EAGLE head
+.venv/bin/specdraft train mtp --data "$DATA" --out runs/mtp-main --limit 3940 --dtype bfloat16 --threads 2 \
+  --epochs 2 --lr 1e-3 --batch-tokens 1024 --steps 3
+mkdir -p "$WEIGHTS/mtp"
+cp runs/mtp-main/config.json runs/mtp-main/model.safetensors "$WEIGHTS/mtp/"
+
+# 4. Medusa heads (4 heads), the same data
+.venv/bin/specdraft train medusa --data "$DATA" --out runs/medusa-main --limit 3940 --dtype bfloat16 --threads 2 \
+  --epochs 2 --lr 1e-3 --batch-tokens 1024 --heads 4
+mkdir -p "$WEIGHTS/medusa"
+cp runs/medusa-main/config.json runs/medusa-main/model.safetensors "$WEIGHTS/medusa/"

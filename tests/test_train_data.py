@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from pathlib import Path
 
@@ -343,5 +345,11 @@ def test_mtp_training_learns_and_saves_a_loadable_module(tiny: LoadedModel, tmp_
     assert result.positions > 0 and curve[-1]["tau"] == round(result.tau, 4)
     proposer = make_proposer("mtp", {"path": str(tmp_path / "mtp")}, ProposerContext(tiny.model, tiny.tokenizer))
     assert proposer.head.config.taps == (tiny.config.num_layers,)
+    # --init: a run that starts from the trained module (and barely moves) measures what it measured
+    again = train_eagle(tiny, data, tmp_path / "mtp-again", dataclasses.replace(cfg, epochs=1, lr=1e-12,
+                                                                                 init=str(tmp_path / "mtp")), kind="mtp")
+    assert abs(again.tau - result.tau) < 0.05 and again.tau > 1.0
+    with pytest.raises(SpecdraftError, match="no|not"):
+        train_eagle(tiny, data, tmp_path / "m3", dataclasses.replace(cfg, init=str(tmp_path / "nowhere")), kind="mtp")
     assert main(["train", "mtp", "--data", str(data), "--out", str(tmp_path / "m2"), "--limit", "8", "--steps", "1",
                  "--draft-vocab", "64", "--batch-tokens", "256"]) == 0

@@ -85,6 +85,9 @@ def add_train_commands(sub: argparse._SubParsersAction, add_model_options) -> No
                             "forcing; needs --prompts)")
         e.add_argument("--prompts", default=None, metavar="DIR", help="training prompts folder, for --references")
         e.add_argument("--batch-tokens", type=int, default=1024, help="padded tokens per batch (default: 1024)")
+        e.add_argument("--init", default="", metavar="DIR",
+                       help=f"start from this trained {kind} folder (its draft vocabulary{' and taps' if kind == 'eagle' else ''}; "
+                            "e.g. to go on training the shipped one on more data) instead of the target's logit lens")
         e.add_argument("--time-budget", type=float, default=None, metavar="SECONDS", help="stop with a checkpoint after this long")
         e.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
         add_model_options(e)
@@ -204,7 +207,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
         raise SpecdraftError(f"--taps must be comma-separated layer numbers, got {args.taps!r}") from None
     cfg = EagleTrainConfig(draft_vocab=args.draft_vocab, steps=args.steps, taps=taps, epochs=args.epochs, lr=args.lr,
                            batch_tokens=args.batch_tokens, seed=args.seed, limit=args.limit,
-                           references=args.references, time_budget_s=args.time_budget)
+                           references=args.references, time_budget_s=args.time_budget, init=args.init)
     result = train_eagle(_teacher(args), args.data, args.out, cfg, prompts_root=args.prompts, kind=args.kind)
     print(f"train {args.kind}: {result.line()} -> {args.out}")
     return 0

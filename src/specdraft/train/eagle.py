@@ -35,8 +35,8 @@ from specdraft.errors import SpecdraftError
 from specdraft.heads.eagle import EagleHead
 from specdraft.heads.feature_head import FeatureHead, ttt_inputs
 from specdraft.heads.mtp import MtpHead
-from specdraft.heads.mtp_checkpoint import save_mtp
-from specdraft.heads.eagle_checkpoint import save_eagle
+from specdraft.heads.mtp_checkpoint import load_mtp, save_mtp
+from specdraft.heads.eagle_checkpoint import load_eagle, save_eagle
 from specdraft.model.loader import LoadedModel
 from specdraft.train.common import (Loop, TeacherCache, data_fingerprint, draft_index, draft_vocabulary,
                                     reference_pairs, resume, soft_cross_entropy, splits, train_loop)
@@ -61,6 +61,7 @@ class EagleTrainConfig:
     limit: int | None = None  # train records used (None: all)
     references: int = 0  # train prompts added with the data set's own answers (teacher forcing)
     time_budget_s: float | None = None  # stop (with a checkpoint) after this long
+    init: str = ""  # a trained head's folder to start from (its vocabulary and taps); "" = the logit lens
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.lr <= 0 or self.soft_top_k < 1 or self.checkpoint_every < 1:
@@ -182,6 +183,22 @@ def start_from_target(head: FeatureHead, loaded: LoadedModel) -> None:
     head.lm_head.weight.copy_(loaded.model.lm_head.weight[head.target_ids].float())
 
 
+def _start(loaded: LoadedModel, train_records: Seq[Any], cfg: EagleTrainConfig, kind: str) -> FeatureHead:
+    """The head training starts from: ``cfg.init``'s trained one (float32), or a new one over
+    the answers' most frequent tokens that reads out like the target (``start_from_target``)."""
+    if cfg.init:
+        head: FeatureHead = (load_eagle(cfg.init, loaded.config) if kind == "eagle"
+                             else load_mtp(cfg.init, loaded.config)).float()
+        if cfg.taps and tuple(cfg.taps) != head.config.taps:
+            raise SpecdraftError(f"--init {cfg.init} reads taps {head.config.taps}, not {tuple(cfg.taps)}")
+        return head
+    vocab = draft_vocabulary(loaded, train_records, cfg.draft_vocab)
+    head = (EagleHead.for_target(loaded.config, vocab, cfg.taps or None) if kind == "eagle"
+            else MtpHead.for_target(loaded.config, vocab))
+    start_from_target(head, loaded)
+    return head
+
+
 def train_eagle(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: EagleTrainConfig,
                 log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
                 prompts_root: str | Path | None = None, kind: str = "eagle") -> ChainMeasure:
@@ -198,10 +215,8 @@ def train_eagle(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: Eag
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    vocab = draft_vocabulary(loaded, train_records, cfg.draft_vocab)
-    head: FeatureHead = (EagleHead.for_target(loaded.config, vocab, cfg.taps or None) if kind == "eagle"
-                         else MtpHead.for_target(loaded.config, vocab))
-    start_from_target(head, loaded)
+    head = _start(loaded, train_records, cfg, kind)
+    vocab = head.vocab
     head.to(loaded.model.device)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr)
     key = {**cfg.key(), "kind": kind, "target": loaded.source.name, "data": data_fingerprint(pairs)}
