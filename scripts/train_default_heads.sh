@@ -27,6 +27,6 @@ cp runs/mtp-main/config.json runs/mtp-main/model.safetensors "$WEIGHTS/mtp/"
 
 # 4. Medusa heads (4 heads), the same data
 .venv/bin/specdraft train medusa --data "$DATA" --out runs/medusa-main --limit 3940 --dtype bfloat16 --threads 2 \
-  --epochs 2 --lr 1e-3 --batch-tokens 1024 --heads 4
+  --epochs 2 --lr 1e-3 --heads 4
 mkdir -p "$WEIGHTS/medusa"
 cp runs/medusa-main/config.json runs/medusa-main/model.safetensors "$WEIGHTS/medusa/"

@@ -23,7 +23,7 @@ from specdraft.model.loader import LoadedModel, load
 from specdraft.policy import Policy, PolicyConfig
 from specdraft.proposers import make_proposer
 from specdraft.proposers.base import ProposerContext
-from specdraft.proposers.feature_heads import EagleOptions, FeatureHeadProposer
+from specdraft.proposers.feature_heads import _best_tree, EagleOptions, FeatureHeadProposer
 from specdraft.sequence import GenerationConfig, Sequence
 from test_accept import check_siblings_lossless, sibling_setup  # noqa: F401  (a fixture)
 from test_spec_engine import cost_table
@@ -96,7 +96,11 @@ def test_drafting_computes_what_the_training_time_test_trains(tiny: LoadedModel,
         proposer.prefilled(0, _features(out, head))
         seq.append([int(out.logits[0, -1].argmax())])
         state, logp = proposer._feed_pending([0], [seq], 9 * 3)
-        tokens, parents, scores = proposer._grow([0], state, logp, 3, topk)
+        tokens, parents, scores = proposer._grow([0], state, logp, 3, topk, torch.tensor([10**6]))
+        # growth that stops once no deeper node can make a draft of b nodes gives the same draft
+        for b in (1, 2, 4, 7):
+            again = proposer._grow([0], state, logp, 3, topk, torch.tensor([b]))
+            assert _best_tree(*(x[0] for x in again), b, "e") == _best_tree(tokens[0], parents[0], scores[0], b, "e")
     assert tokens.shape[1] == topk + 2 * topk * topk
     for node in range(tokens.shape[1]):
         path = [node]

@@ -139,7 +139,8 @@ class FeatureHeadProposer:
         depth = min(self.options.depth, max(budgets[r] for r in rows))
         k = self.options.topk
         state, logp = self._feed_pending(rows, [seqs[r] for r in rows], k * depth)  # [R, H], [R, N]
-        tokens, parents, scores = self._grow(rows, state, logp, depth, k)  # [R, M] each
+        keep = torch.tensor([budgets[r] for r in rows], device=state.device)  # [R]
+        tokens, parents, scores = self._grow(rows, state, logp, depth, k, keep)  # [R, M] each
         for i, r in enumerate(rows):
             drafts[r] = _best_tree(tokens[i], parents[i], scores[i], budgets[r], self.label)
         return drafts
@@ -180,10 +181,12 @@ class FeatureHeadProposer:
         attend = self.cache.attend(row_ids, slots, visible, self.head.config.group_size)
         return self.head.layer(self.embed(ids), hidden, cos, sin, attend)
 
-    def _grow(self, rows: list[int], state: Tensor, logp: Tensor, depth: int, k: int
+    def _grow(self, rows: list[int], state: Tensor, logp: Tensor, depth: int, k: int, keep: Tensor
               ) -> tuple[Tensor, Tensor, Tensor]:
         """EAGLE-2's expansion. Returns every candidate node's target token, parent (-1: the
-        root) and cumulative log-probability: [R, M] each, parents before children."""
+        root) and cumulative log-probability: [R, M] each, parents before children. It stops
+        early once no row's frontier can place a node among its ``keep`` [R] best (a child
+        never scores above its parent): deeper levels would change no draft."""
         dev = state.device
         r_n = len(rows)
         top = logp.topk(k, dim=-1)  # [R, k]
@@ -195,6 +198,8 @@ class FeatureHeadProposer:
         seen = torch.zeros(r_n, k, prefix.shape[1], dtype=torch.bool, device=dev)  # [R, k, S] ancestors' slots
         count = k
         for d in range(1, depth):
+            if _settled(torch.cat(scores, 1), torch.cat(scores, 1).gather(1, front), keep):
+                break
             slots = base[:, None] + (d - 1) * k + torch.arange(k, device=dev)  # [R, k]
             seen = seen.clone()
             seen.scatter_(2, slots[:, :, None], True)
@@ -213,6 +218,14 @@ class FeatureHeadProposer:
             count += k * k
         ids = self.vocab_ids[torch.cat(tokens, 1)]  # [R, M] target ids
         return ids.cpu(), torch.cat(parents, 1).cpu(), torch.cat(scores, 1).float().cpu()
+
+
+def _settled(scores: Tensor, frontier: Tensor, keep: Tensor) -> bool:
+    """Whether every row's ``keep`` best scores so far are at least its best frontier score:
+    scores [R, M], frontier [R, k] (the nodes the next level would expand), keep [R]."""
+    m = scores.shape[1]
+    kth = scores.sort(dim=1, descending=True).values.gather(1, (keep.clamp(1, m) - 1)[:, None])  # [R, 1]
+    return bool(((keep <= m) & (frontier.max(dim=1).values <= kth[:, 0])).all())
 
 
 def _best_tree(tokens: Tensor, parents: Tensor, scores: Tensor, budget: int, label: str) -> Draft:
