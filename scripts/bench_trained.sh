@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
 # The benchmark of the trained drafters shipped for the default model, beside plain, ngram and
 # suffix (results/trained-heads/). bfloat16, batch 1 and 8, the workloads of issue 15's goals
-# (chat, qa, math, creative) and code and summarization. About 20 minutes on 2 CPU cores: run
-# it alone.
+# (chat, qa, math, creative) and code. About 35 minutes on 2 CPU cores: run it alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-results/trained-heads}
 .venv/bin/specdraft bench --dtype bfloat16 --threads 2 \
-  --methods "ngram,suffix,eagle,eagle:topk=1+depth=5" \
-  --workloads chat,qa,math,creative,code,summarization --batch-sizes 1,8 \
+  --methods "ngram,suffix,eagle,mtp,mtp:topk=4+depth=6,medusa" \
+  --workloads chat,qa,math,creative,code --batch-sizes 1,8 \
   --samples 4 --max-new-tokens 96 --out "$OUT"
