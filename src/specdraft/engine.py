@@ -281,7 +281,7 @@ class Engine:
         drafts = self.proposer.propose(active, budgets, cache)
         asked = max((b for b, s in zip(budgets, active) if s is not None), default=0)
         if asked:  # what a budget costs, whatever was found
-            self.policy.observe_propose_time(asked, time.perf_counter() - t0)
+            self.policy.observe_propose_time(asked, time.perf_counter() - t0, len(seqs))
         if cache.lengths != lengths:
             raise RuntimeError(f"proposer {self.proposer.name} changed the target cache's lengths")
         drafts = self.policy.trim(drafts, len(seqs), [not s.finished for s in seqs], remaining(seqs))

@@ -102,7 +102,7 @@ class Policy:
         self.probe_gap = config.probe_every  # idle steps before the next probe
         self.probe_paid = False  # some row accepted a token of the current probe
         self.looking = False  # this step drafts first and is gated in trim() (cheap proposer)
-        self.propose_cost = ProposeCost()  # the proposer's measured time against its budget
+        self.propose_costs: dict[int, ProposeCost] = {}  # per batch size: the proposer's time against its budget
         self.calibration: dict[str, Calibration] = {}  # draft label -> its confidences against outcomes
         self.outlooks: dict[int, Outlook] = {}  # per row: what its confident drafts were expected to yield
         self.pooled_outlook = Outlook()  # the same across requests (where a new request starts)
@@ -110,7 +110,7 @@ class Policy:
 
     # what the policy has learned (per row and across requests), without the cost model
     _MEMORY = ("evidence", "by_label", "pooled", "holds", "idle_steps", "probing", "probe_gap", "probe_paid",
-               "looking", "propose_cost", "calibration", "outlooks", "pooled_outlook",
+               "looking", "propose_costs", "calibration", "outlooks", "pooled_outlook",
                "since_full")
 
     def snapshot(self) -> dict[str, object]:
@@ -193,7 +193,7 @@ class Policy:
         left = [remaining[row] if remaining is not None else HORIZON_TOKENS for row in live]
         q_max = 1 + self.config.k
         steps = max(r / expected_tokens(self.alpha(row), min(k, caps[row])) for row, r in zip(live, left))
-        spec = setup + steps * (self.cost.latency(batch, 1 + k, q_max) + self.propose_cost.estimate(k))
+        spec = setup + steps * (self.cost.latency(batch, 1 + k, q_max) + self.proposing(batch, k))
         return spec < max(left) * self.cost.latency(batch, 1, q_max)
 
     def _settle_probe(self) -> None:
@@ -223,7 +223,7 @@ class Policy:
         assert self.cost is not None
         plain = self.cost.latency(batch, 1, 1 + self.config.k)
         look = self.config.look_cost
-        return look > 0 and self.propose_cost.estimate(self.config.k) <= look * plain
+        return look > 0 and self.proposing(batch, self.config.k) <= look * plain
 
     def _remaining(self, remaining: Seq[int] | None) -> Seq[int] | None:
         """The remaining counts the objective uses (none for throughput)."""
@@ -241,7 +241,7 @@ class Policy:
         plain = self.cost.latency(batch, 1, q_max)
         allowed = self.config.probe_cost * plain
         for n in range(self.config.probe_k, 0, -1):
-            probe = self.cost.latency(batch, 1 + n, q_max) + self.propose_cost.estimate(n)
+            probe = self.cost.latency(batch, 1 + n, q_max) + self.proposing(batch, n)
             if probe <= allowed and setup <= max(allowed - probe, PROBE_SETUP_SHARE * self.probe_gap * plain):
                 return n
         return 0
@@ -260,7 +260,7 @@ class Policy:
         best, best_rate = 0, 0.0
         for k in range(0, self.config.k + 1):
             gain = progress([expected_tokens(a, min(k, c)) for a, c in alphas], left)
-            cost = self.cost.latency(batch, 1 + k, q_max) + self.propose_cost.estimate(k)
+            cost = self.cost.latency(batch, 1 + k, q_max) + self.proposing(batch, k)
             if gain / cost > best_rate:
                 best, best_rate = k, gain / cost
         return best
@@ -279,7 +279,7 @@ class Policy:
         best, best_rate = 0, progress([1.0] * len(live), left) / self.cost.latency(batch, 1, q_max)
         for n in range(1, self.config.k + 1):
             gain = progress([1.0 + o.at(min(n, caps[row])) for o, row in zip(outlooks, live)], left)
-            rate = gain / (self.cost.latency(batch, 1 + n, q_max) + self.propose_cost.estimate(n))
+            rate = gain / (self.cost.latency(batch, 1 + n, q_max) + self.proposing(batch, n))
             if rate > best_rate:
                 best, best_rate = n, rate
         return best
@@ -414,6 +414,13 @@ class Policy:
         alpha = self.label_alpha(d.label) if d.label else None
         return self.alpha(row) if alpha is None else alpha
 
-    def observe_propose_time(self, budget: int, seconds: float) -> None:
-        """One drafting step with rows' budgets up to ``budget`` took ``seconds``."""
-        self.propose_cost.observe(budget, seconds)
+    def observe_propose_time(self, budget: int, seconds: float, batch: int = 1) -> None:
+        """One drafting step for ``batch`` rows, with budgets up to ``budget``, took ``seconds``."""
+        self.propose_costs.setdefault(batch, ProposeCost()).observe(budget, seconds)
+
+    def proposing(self, batch: int, budget: int) -> float:
+        """The proposer's expected seconds for a budget at this batch size: measured at this
+        size, else at the largest smaller one measured (drafting for more rows costs at least
+        as much), else 0 (a proposer is taken as cheap until measured)."""
+        sizes = [b for b, c in self.propose_costs.items() if b <= batch and c.samples]
+        return self.propose_costs[max(sizes)].estimate(budget) if sizes else 0.0

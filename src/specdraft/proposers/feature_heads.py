@@ -64,8 +64,8 @@ class MtpOptions:
 
     path: str = ""
     native: bool = False
-    depth: int = 4
-    topk: int = 1
+    depth: int = 6
+    topk: int = 4
 
     def __post_init__(self) -> None:
         _check_tree(self.depth, self.topk, "mtp")
