@@ -198,7 +198,8 @@ class FeatureHeadProposer:
         seen = torch.zeros(r_n, k, prefix.shape[1], dtype=torch.bool, device=dev)  # [R, k, S] ancestors' slots
         count = k
         for d in range(1, depth):
-            if _settled(torch.cat(scores, 1), torch.cat(scores, 1).gather(1, front), keep):
+            so_far = torch.cat(scores, 1)  # [R, M so far]
+            if _settled(so_far, so_far.gather(1, front), keep):
                 break
             slots = base[:, None] + (d - 1) * k + torch.arange(k, device=dev)  # [R, k]
             seen = seen.clone()
