@@ -36,6 +36,27 @@ class StreamEvent:
 
 
 @dataclass(slots=True)
+class Batch:
+    """The rows one step runs: row r of ``cache`` holds request ``rows[r]`` (None: an idle slot,
+    which the step feeds a dummy token and leaves empty). ``static``: a batch that ends with its
+    last row (``Engine.generate``; the policy weighs how much sooner it ends) rather than one that
+    is refilled as rows finish (the scheduler; the policy weighs throughput)."""
+
+    rows: list[Sequence | None]
+    cache: KVCache  # one row per entry of `rows`
+    last: list[int]  # per row: its last emitted token, the root of its next draft (idle rows: 0)
+    static: bool = True
+
+    def live(self, row: int) -> bool:
+        s = self.rows[row]
+        return s is not None and not s.finished
+
+    @property
+    def done(self) -> bool:
+        return not any(self.live(r) for r in range(len(self.rows)))
+
+
+@dataclass(slots=True)
 class GenerationResult:
     text: str
     tokens: list[int]
@@ -130,7 +151,7 @@ class Engine:
                 cache.copy_rows(part, rows)
             logits = self.model.lm_logits(last_hidden)
         if features is not None and parts is not None:  # (parts is made exactly when features is given)
-            features.extend(_joined(p) for p in parts)
+            features.extend(joined_features(p) for p in parts)
         return logits
 
     def _prefill_rows(self, seqs: list[Sequence], cache: KVCache, chunk: int,
@@ -139,28 +160,35 @@ class Engine:
         Returns the final hidden state after each prompt's last token: [B, H]. ``parts``: per
         row, lists of each chunk's features to fill (key -1: final-norm states; i >= 0: the
         taps), for ``prefill``'s ``features``."""
-        device = self.model.device
         lengths = [len(s.prompt) for s in seqs]
         width = max(lengths)
         padded = torch.zeros(len(seqs), width, dtype=torch.long)  # [B, width]
         for i, s in enumerate(seqs):
             padded[i, : len(s.prompt)] = torch.tensor(s.prompt)
-        last_hidden = torch.zeros(len(seqs), self.model.config.hidden_size, dtype=self.model.dtype, device=device)
+        last_hidden = torch.zeros(len(seqs), self.model.config.hidden_size, dtype=self.model.dtype,
+                                  device=self.model.device)  # [B, H]
         for start in range(0, width, chunk):
-            t = min(chunk, width - start)
-            tokens = padded[:, start : start + t].to(device)  # [B, t]
-            positions = torch.tensor(cache.lengths, device=device)[:, None] + torch.arange(t, device=device)
-            real = [max(0, min(n, start + t) - start) for n in lengths]  # each row's prompt tokens here
-            out = self.model(tokens, positions, cache, logits=False, prompt=real,
-                             return_hidden=self.wants.taps if parts is not None else ())
-            for i, n in enumerate(lengths):
-                if start <= n - 1 < start + t:
-                    last_hidden[i] = out.last_hidden[i, n - 1 - start]
-                if parts is not None and real[i]:
-                    for key, states in ((-1, out.last_hidden), *out.hidden.items()):
-                        parts[i].setdefault(key, []).append(states[i, : real[i]])  # [real, H]
-            cache.truncate([min(n, start + t) for n in lengths])
+            self.prefill_chunk(padded, lengths, start, min(chunk, width - start), cache, last_hidden, parts)
         return last_hidden
+
+    def prefill_chunk(self, padded: Tensor, lengths: list[int], start: int, t: int, cache: KVCache,
+                      last_hidden: Tensor, parts: "list[dict[int, list[Tensor]]] | None" = None) -> None:
+        """Feed prompt positions start..start+t of every row. padded: [B, width] right-padded
+        prompts of ``lengths``; ``cache`` holds each row's positions before ``start``.
+        last_hidden: [B, H], filled for the rows whose last prompt token is in this chunk."""
+        device = self.model.device
+        tokens = padded[:, start : start + t].to(device)  # [B, t]
+        positions = torch.tensor(cache.lengths, device=device)[:, None] + torch.arange(t, device=device)  # [B, t]
+        real = [max(0, min(n, start + t) - start) for n in lengths]  # each row's prompt tokens here
+        out = self.model(tokens, positions, cache, logits=False, prompt=real,
+                         return_hidden=self.wants.taps if parts is not None else ())
+        for i, n in enumerate(lengths):
+            if start <= n - 1 < start + t:
+                last_hidden[i] = out.last_hidden[i, n - 1 - start]
+            if parts is not None and real[i]:
+                for key, states in ((-1, out.last_hidden), *out.hidden.items()):
+                    parts[i].setdefault(key, []).append(states[i, : real[i]])  # [real, H]
+        cache.truncate([min(n, start + t) for n in lengths])
 
     def first_tokens(self, logits: Tensor, seqs: list[Sequence]) -> list[int]:
         """One token per row from the prefill logits: [B, V] -> B ids."""
@@ -214,30 +242,38 @@ class Engine:
             for row, (s, tok) in enumerate(zip(seqs, last)):
                 s.append([tok])
                 yield from _events(row, s)
-            while not all(s.finished for s in seqs):
-                last = yield from self._step(seqs, cache, last, stats)
+            batch = Batch(list(seqs), cache, last)
+            while not batch.done:
+                yield from self.step(batch, stats)
         finally:
             stats.proposer_bytes = max(stats.proposer_bytes, self.proposer.memory_bytes())
             for row in range(len(seqs)):
                 self.proposer.end(row)
                 self.policy.end(row)
 
-    def _step(
-        self, seqs: list[Sequence], cache: KVCache, last: list[int], stats: SpecStats
-    ) -> Iterator[StreamEvent]:
-        """One target pass for every row: propose, verify, accept, commit, observe."""
+    def step(self, batch: Batch, stats: SpecStats) -> list[StreamEvent]:
+        """One target pass for every live row: propose, verify, accept, commit, observe. The
+        one step every method and both ways of running a batch share. Returns the text each
+        row made final."""
+        with torch.inference_mode():
+            return self._step(batch, stats)
+
+    def _step(self, batch: Batch, stats: SpecStats) -> list[StreamEvent]:
+        cache, seqs = batch.cache, batch.rows
+        live = [batch.live(r) for r in range(len(seqs))]
         t0 = time.perf_counter()
-        budgets = self._budgets(seqs, cache)
+        budgets = self._budgets(batch, live)
         tp = time.perf_counter()
-        drafts = self._propose(seqs, budgets, cache)
+        drafts = self._propose(batch, live, budgets)
         t1 = time.perf_counter()
         before = list(cache.lengths)
-        out = self._verify(drafts, last, cache)
+        out = self._verify(drafts, batch.last, cache)
         logits = out.logits  # [B, 1 + width, V]
         t2 = time.perf_counter()
         results: list[Acceptance | None] = []
+        events: list[StreamEvent] = []
         for row, (s, draft) in enumerate(zip(seqs, drafts)):
-            if s.finished:
+            if s is None or not live[row]:
                 results.append(None)
                 continue
             acc = accept(draft, logits[row], s.sampling, s.generator)
@@ -247,35 +283,37 @@ class Engine:
             taps = {layer: states[row] for layer, states in out.hidden.items()}  # [1 + W, H] each
             self.proposer.observe(row, draft, acc, Verified(logits[row], out.last_hidden[row], taps))
             self.policy.observe(row, draft, acc)
-            last[row] = acc.tokens[-1]
+            batch.last[row] = acc.tokens[-1]
             results.append(acc)
-            yield from _events(row, s)
+            events.extend(_events(row, s))
         # a row that finished in this step is emptied now, not at the next commit: the next
         # forward appends 1 + width positions to every row, which a full row has no room for
-        commit(cache, before, drafts, [None if s.finished else r for s, r in zip(seqs, results)])
+        commit(cache, before, drafts, [r if batch.live(row) else None for row, r in enumerate(results)])
         t3 = time.perf_counter()
         stats.propose_s += t1 - tp
         stats.verify_s += t2 - t1
         stats.other_s += (tp - t0) + (t3 - t2)
-        return last
+        return events
 
-    def _budgets(self, seqs: list[Sequence], cache: KVCache) -> list[int]:
+    def _budgets(self, batch: Batch, live: list[bool]) -> list[int]:
         """How many draft tokens each row may have this step (the policy's choice, capped by
         the row's remaining tokens and the cache's room)."""
+        seqs, cache = batch.rows, batch.cache
         if not self.speculative:
             return [0] * len(seqs)
-        running = [n for n, s in zip(cache.lengths, seqs) if not s.finished]
+        running = [n for n, on in zip(cache.lengths, live) if on]
         free = cache.capacity - 1 - max(running, default=0)  # positions left after the root token
-        caps = [0 if s.finished else max(0, min(s.room - 1, free)) for s in seqs]
+        caps = [max(0, min(s.room - 1, free)) if on and s is not None else 0 for s, on in zip(seqs, live)]
         setup = getattr(self.proposer, "setup_seconds", None)  # optional (proposers/base.py)
         adaptive = self.policy.config.kind == "adaptive"  # the fixed policy does not weigh costs
-        pending = setup([None if s.finished else s for s in seqs]) if setup is not None and adaptive else None
-        return self.policy.budgets(caps, len(seqs), remaining(seqs), pending)
+        pending = setup([s if on else None for s, on in zip(seqs, live)]) if setup is not None and adaptive else None
+        return self.policy.budgets(caps, len(seqs), remaining(batch, live), pending)
 
-    def _propose(self, seqs: list[Sequence], budgets: list[int], cache: KVCache) -> list[Draft]:
+    def _propose(self, batch: Batch, live: list[bool], budgets: list[int]) -> list[Draft]:
+        seqs, cache = batch.rows, batch.cache
         if not self.speculative:
             return [Draft.empty() for _ in seqs]
-        active = [s if b > 0 and not s.finished else None for s, b in zip(seqs, budgets)]
+        active = [s if b > 0 and on else None for s, b, on in zip(seqs, budgets, live)]
         lengths = list(cache.lengths)
         t0 = time.perf_counter()
         drafts = self.proposer.propose(active, budgets, cache)
@@ -284,7 +322,7 @@ class Engine:
             self.policy.observe_propose_time(asked, time.perf_counter() - t0, len(seqs))
         if cache.lengths != lengths:
             raise RuntimeError(f"proposer {self.proposer.name} changed the target cache's lengths")
-        drafts = self.policy.trim(drafts, len(seqs), [not s.finished for s in seqs], remaining(seqs))
+        drafts = self.policy.trim(drafts, len(seqs), live, remaining(batch, live))
         for d, b in zip(drafts, budgets):
             if len(d) > max(b, 0):
                 raise RuntimeError(f"proposer {self.proposer.name} drafted {len(d)} tokens over a budget of {b}")
@@ -307,16 +345,19 @@ class Engine:
         return self.model(tokens, positions, cache, mask=mask, return_hidden=taps)
 
 
-def _joined(parts: dict[int, list[Tensor]]) -> Features:
+def joined_features(parts: dict[int, list[Tensor]]) -> Features:
     """One row's prefill chunks joined: final-norm states (key -1) and taps, [T, H] each."""
     joined = {key: torch.cat(chunks) for key, chunks in parts.items()}
     return Features(joined.pop(-1), joined)
 
 
-def remaining(seqs: list[Sequence]) -> list[int]:
-    """Tokens each row may still emit (0 once finished). The batch is static (it ends with its
-    last row), so the policy weighs drafts by how much sooner the batch ends (policy doc)."""
-    return [0 if s.finished else s.room for s in seqs]
+def remaining(batch: Batch, live: list[bool]) -> list[int] | None:
+    """Tokens each row may still emit (0 once finished), for a static batch (it ends with its
+    last row, so the policy weighs drafts by how much sooner the batch ends; policy doc). None
+    for a refilled batch: the policy then weighs throughput."""
+    if not batch.static:
+        return None
+    return [s.room if on and s is not None else 0 for s, on in zip(batch.rows, live)]
 
 
 def commit(cache: KVCache, before: list[int], drafts: list[Draft], results: list[Acceptance | None]) -> None:

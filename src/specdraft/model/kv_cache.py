@@ -138,6 +138,14 @@ class KVCache:
             self.v[:, row, :, :n] = source.v[:, i, :, :n]
             self.lengths[row] = n
 
+    def head(self, rows: int) -> "KVCache":
+        """The first ``rows`` rows as a cache of their own that shares this one's storage (a
+        continuous batch runs only up to its last occupied slot). Its ``lengths`` is a copy:
+        hand it back with ``self.lengths[:rows] = view.lengths``."""
+        if not 0 < rows <= self.batch_size:
+            raise ValueError(f"head: {rows} rows of a cache of {self.batch_size}")
+        return KVCache(self.k[:, :rows], self.v[:, :rows], self.lengths[:rows])
+
     def reset_row(self, row: int) -> None:
         """Free one row for a new request (continuous batching)."""
         self.lengths[row] = 0

@@ -18,13 +18,18 @@ from specdraft.model.transformer import Transformer
 @dataclass(slots=True)
 class CostModel:
     """Measured latency (seconds) of one target forward over q new tokens per row, per batch
-    size. Measured on first use of a batch size (a handful of dummy forwards), or given."""
+    size. Measured on first use of a batch size (a handful of dummy forwards), or given.
+    ``batch_grid`` (a continuous batch, whose size changes every few steps): a batch size is
+    priced as the next size up in the grid, so that only those are ever measured (a size past
+    the grid's largest is measured as itself)."""
 
     model: Transformer | None = None
     table: dict[int, dict[int, float]] = field(default_factory=dict)  # batch -> q -> seconds
     prefix: int = 128  # cached tokens per row during measurement
+    batch_grid: tuple[int, ...] = ()
 
     def latency(self, batch: int, q: int, q_max: int) -> float:
+        batch = min((b for b in self.batch_grid if b >= batch), default=batch)
         if batch not in self.table:
             if self.model is None:
                 raise SpecdraftError(f"cost model has no measurement for batch {batch}")

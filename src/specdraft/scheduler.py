@@ -1,0 +1,367 @@
+"""Continuous batching: requests join the running batch between steps and leave it when they
+finish or are cancelled.
+
+The scheduler owns a cache of ``max_batch`` slots of ``row_capacity`` positions each. Each
+iteration (``run_once``) it
+
+1. frees the slots of finished and cancelled requests (the next step no longer runs them);
+2. gives free slots to waiting requests, oldest first (``max_queue`` may wait; past that,
+   ``submit`` refuses with ``Overloaded``);
+3. feeds up to ``prefill_tokens`` prompt tokens of the requests that joined, in chunks of
+   ``prefill_chunk`` in a small cache of their own (so one long prompt is spread over several
+   iterations instead of stalling the running rows), then copies each finished prompt into its
+   slot, draws its first token and adds the row to the running batch;
+4. runs one ``Engine.step`` (propose, verify, accept, commit, observe) over the slots up to
+   the last running one. Free slots below it are idle rows of that step (a dummy token each);
+   new requests take the lowest free slot, so holes fill first.
+
+Events go to each request's ``on_event`` callback, on the scheduler's thread. ``submit`` and
+``cancel`` may be called from any thread; ``run_once`` from one thread only.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from specdraft.batching import PREFILL_CHUNK
+from specdraft.engine import Batch, Engine, StreamEvent, joined_features
+from specdraft.errors import ContextOverflowError, SpecdraftError
+from specdraft.metrics import SpecStats
+from specdraft.model.kv_cache import KVCache
+from specdraft.sampling import GREEDY, Sampling, make_generator
+from specdraft.sequence import GenerationConfig, Sequence
+
+DEFAULT_ROW_CAPACITY = 2048  # positions per slot when the model's context is longer
+
+
+class Overloaded(SpecdraftError):
+    """The queue is full: the request is refused rather than queued without bound."""
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """max_batch: slots decoded together. max_queue: requests that may wait for a slot.
+    row_capacity: positions per slot, prompt + output (None: the model's context, at most
+    ``DEFAULT_ROW_CAPACITY``); the cache holds max_batch x row_capacity positions, which bounds
+    the tokens in flight. prefill_tokens: prompt tokens fed between two decode steps (at least
+    one chunk). batch_grid: the batch sizes the adaptive policy's cost model is measured at."""
+
+    max_batch: int = 16
+    max_queue: int = 256
+    row_capacity: int | None = None
+    prefill_chunk: int = PREFILL_CHUNK
+    prefill_tokens: int = PREFILL_CHUNK
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "max_queue", "prefill_chunk", "prefill_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise SpecdraftError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.row_capacity is not None and (not isinstance(self.row_capacity, int) or self.row_capacity < 2):
+            raise SpecdraftError(f"row_capacity must be an integer >= 2, got {self.row_capacity!r}")
+
+    @property
+    def batch_grid(self) -> tuple[int, ...]:
+        """1, 2, 4, ... up to max_batch (included)."""
+        sizes, b = [], 1
+        while b < self.max_batch:
+            sizes.append(b)
+            b *= 2
+        return tuple(sizes + [self.max_batch])
+
+
+@dataclass(frozen=True, slots=True)
+class RequestEvent:
+    text: str  # newly final text (may be "")
+    finished: bool
+    finish_reason: str | None = None  # "stop" (EOS or a stop string), "length", "cancelled"
+    error: str | None = None  # set when the scheduler failed the request
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One request and its progress. Timestamps are ``time.perf_counter()`` seconds."""
+
+    id: int
+    seq: Sequence
+    on_event: Callable[[RequestEvent], None]
+    arrived: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    slot: int | None = None
+    cancelled: bool = False
+    prefill: "_Prefill | None" = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.seq.prompt)
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens emitted, an ending EOS token included (as OpenAI counts them)."""
+        return self.seq.generated + (self.seq.finish_reason == "eos")
+
+    @property
+    def accepted_tokens(self) -> int:
+        """Draft tokens the target accepted for this request."""
+        return self.seq.stats.accepted
+
+
+@dataclass(slots=True)
+class _Prefill:
+    """A joining request's prompt, fed in chunks into a cache of its own."""
+
+    padded: Tensor  # [1, P] the prompt ids
+    cache: KVCache  # [1 row, P positions]
+    last_hidden: Tensor  # [1, H]
+    parts: list[dict[int, list[Tensor]]] | None  # the prompt's features, when the proposer wants them
+    fed: int = 0  # prompt tokens fed so far
+
+
+@dataclass(slots=True)
+class SchedulerCounters:
+    """What the scheduler has done, for metrics (cumulative)."""
+
+    steps: int = 0  # decode steps run
+    rows_run: int = 0  # rows computed over all steps (idle slots included)
+    prefill_tokens: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    last_step_rows: int = 0  # rows the last step computed (0: none ran yet / idle)
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, config: SchedulerConfig = SchedulerConfig()) -> None:
+        self.engine = engine
+        self.config = config
+        limit = engine.model.config.max_context
+        self.row_capacity = min(limit, config.row_capacity or DEFAULT_ROW_CAPACITY)
+        self.cache = engine.model.new_cache(config.max_batch, self.row_capacity)
+        self.rows: list[Request | None] = [None] * config.max_batch  # slot -> its request
+        self.last: list[int] = [0] * config.max_batch  # slot -> its last emitted token
+        self.waiting: deque[Request] = deque()
+        self.joining: list[Request] = []  # have a slot, prompt being prefilled
+        self.stats = SpecStats()  # all requests' counts and the steps' timings
+        self.counters = SchedulerCounters()
+        self.on_step: Callable[[int, list[Request]], None] | None = None  # (rows computed, requests running)
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._next_id = 0
+        cost = engine.policy.cost
+        if cost is not None and not cost.batch_grid:
+            cost.batch_grid = config.batch_grid
+
+    # -- any thread -------------------------------------------------------------------------
+    def submit(self, prompt: Seq[int], config: GenerationConfig, sampling: Sampling = GREEDY,
+               on_event: Callable[[RequestEvent], None] = lambda e: None) -> Request:
+        """Queue a request. Raises a ``SpecdraftError`` for a prompt that does not fit a slot
+        (with its max_new_tokens) and ``Overloaded`` when ``max_queue`` requests already wait."""
+        self.check(prompt, config)
+        seq = Sequence(
+            prompt=list(prompt), config=config, tokenizer=self.engine.tokenizer, sampling=sampling,
+            generator=None if sampling.greedy else make_generator(sampling, self.engine.model.device),
+            capacity=min(self.row_capacity, len(prompt) + config.max_new_tokens + 1),
+        )
+        with self._wake:
+            if len(self.waiting) >= self.config.max_queue:
+                raise Overloaded(f"the server is overloaded: {len(self.waiting)} requests are waiting; retry later")
+            request = Request(self._next_id, seq, on_event)
+            self._next_id += 1
+            self.waiting.append(request)
+            self._wake.notify_all()
+        return request
+
+    def check(self, prompt: Seq[int], config: GenerationConfig) -> None:
+        """Raise a one-line error if the prompt (with its max_new_tokens) does not fit a slot."""
+        if not prompt:
+            raise SpecdraftError("the prompt is empty")
+        vocab = self.engine.model.config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise SpecdraftError(f"the prompt has a token id outside the vocabulary (0..{vocab - 1})")
+        total = len(prompt) + config.max_new_tokens
+        if total > self.row_capacity:
+            raise ContextOverflowError(
+                f"the context per request is {self.row_capacity} tokens, but {total} were asked for "
+                f"({len(prompt)} in the prompt, {config.max_new_tokens} to generate)")
+
+    def cancel(self, request: Request) -> None:
+        """Stop a request (a client that went away): its slot is freed before the next step."""
+        with self._wake:
+            request.cancelled = True
+            self._wake.notify_all()
+
+    def wait_for_work(self, timeout: float) -> None:
+        """Block until a request is submitted or cancelled, or ``timeout`` seconds pass."""
+        with self._wake:
+            if not self.waiting and not self.busy:
+                self._wake.wait(timeout)
+
+    def load(self) -> tuple[int, int, int]:
+        """(running, joining, waiting) requests."""
+        with self._lock:
+            return sum(r is not None for r in self.rows) - len(self.joining), len(self.joining), len(self.waiting)
+
+    @property
+    def busy(self) -> bool:
+        """Whether some request holds a slot."""
+        return any(r is not None for r in self.rows)
+
+    # -- the scheduler's thread -------------------------------------------------------------
+    def run_once(self) -> bool:
+        """One iteration (module doc). Returns whether any request is left."""
+        self._reap()
+        self._admit()
+        self._prefill()
+        self._decode()
+        self._reap()
+        with self._lock:
+            return bool(self.waiting) or self.busy
+
+    def run_until_idle(self) -> None:
+        while self.run_once():
+            pass
+
+    def fail_all(self, message: str) -> None:
+        """End every request with an error (the scheduler cannot go on)."""
+        with self._lock:
+            requests = [r for r in self.rows if r is not None] + list(self.waiting)
+            self.waiting.clear()
+        for r in requests:
+            if r.slot is not None:
+                self._free(r)
+            r.finished_at = time.perf_counter()
+            r.on_event(RequestEvent("", True, "error", error=message))
+
+    def _reap(self) -> None:
+        """Free the slots of finished and cancelled requests; drop cancelled waiting ones."""
+        with self._lock:
+            gone = [r for r in self.waiting if r.cancelled]
+            for r in gone:
+                self.waiting.remove(r)
+        for r in gone:
+            self._end(r, "cancelled")
+        for r in list(self.rows):
+            if r is not None and (r.cancelled or r.seq.finished):
+                self._free(r)
+                self._end(r, "cancelled" if r.cancelled and not r.seq.finished else None)
+
+    def _end(self, r: Request, reason: str | None) -> None:
+        r.finished_at = time.perf_counter()
+        if reason == "cancelled":
+            self.counters.cancelled += 1
+            r.on_event(RequestEvent("", True, "cancelled"))
+        else:
+            self.counters.finished += 1
+
+    def _free(self, r: Request) -> None:
+        slot = r.slot
+        assert slot is not None
+        self.engine.proposer.end(slot)
+        self.engine.policy.end(slot)
+        self.cache.reset_row(slot)
+        with self._lock:
+            self.rows[slot] = None
+            if r in self.joining:
+                self.joining.remove(r)
+        self.last[slot] = 0
+        r.slot = None
+        r.prefill = None
+
+    def _admit(self) -> None:
+        """Give free slots (lowest first) to waiting requests, oldest first."""
+        while True:
+            with self._lock:
+                free = [i for i, r in enumerate(self.rows) if r is None]
+                if not free or not self.waiting:
+                    return
+                r = self.waiting.popleft()
+                r.slot = free[0]
+                self.rows[r.slot] = r
+                self.joining.append(r)
+            n = len(r.seq.prompt)
+            model = self.engine.model
+            parts = [{}] if self.engine.wants.prompt else None
+            r.prefill = _Prefill(torch.tensor([r.seq.prompt], dtype=torch.long), model.new_cache(1, n),
+                                 torch.zeros(1, model.config.hidden_size, dtype=model.dtype, device=model.device),
+                                 parts)
+            self.engine.proposer.begin(r.slot, r.seq)
+            self.engine.policy.begin(r.slot)
+
+    @torch.inference_mode()
+    def _prefill(self) -> None:
+        """Feed up to ``prefill_tokens`` prompt tokens, oldest joining request first."""
+        budget = self.config.prefill_tokens
+        t0 = time.perf_counter()
+        for r in list(self.joining):
+            p = r.prefill
+            assert p is not None and r.slot is not None
+            n = len(r.seq.prompt)
+            while p.fed < n and budget > 0:
+                t = min(self.config.prefill_chunk, n - p.fed)
+                self.engine.prefill_chunk(p.padded, [n], p.fed, t, p.cache, p.last_hidden, p.parts)
+                p.fed += t
+                budget -= t
+                self.counters.prefill_tokens += t
+            if p.fed < n:
+                break
+            self._join(r, p)
+            if budget <= 0:
+                break
+        self.stats.prefill_s += time.perf_counter() - t0
+
+    def _join(self, r: Request, p: _Prefill) -> None:
+        """A prompt is in: copy it into the slot, draw the first token, start decoding."""
+        slot = r.slot
+        assert slot is not None
+        self.cache.copy_rows(p.cache, [slot])
+        if p.parts is not None:
+            self.engine.proposer.prefilled(slot, joined_features(p.parts[0]))  # type: ignore[attr-defined]
+        token = self.engine.first_tokens(self.engine.model.lm_logits(p.last_hidden), [r.seq])[0]
+        r.seq.append([token])
+        r.first_token_at = time.perf_counter()
+        with self._lock:
+            self.joining.remove(r)
+        r.prefill = None
+        self.last[slot] = token
+        self._deliver(r)
+
+    def _decode(self) -> None:
+        """One engine step over the slots up to the last running one."""
+        live = [i for i, r in enumerate(self.rows) if r is not None and r.prefill is None and not r.seq.finished]
+        if not live:
+            return
+        hi = live[-1] + 1
+        rows = [r.seq if r is not None and r.prefill is None and not r.cancelled else None for r in self.rows[:hi]]
+        batch = Batch(rows, self.cache.head(hi), self.last[:hi], static=False)
+        events = self.engine.step(batch, self.stats)
+        self.cache.lengths[:hi] = batch.cache.lengths
+        self.last[:hi] = batch.last
+        self.counters.steps += 1
+        self.counters.rows_run += hi
+        self.counters.last_step_rows = hi
+        if self.on_step is not None:
+            self.on_step(hi, [self.rows[i] for i in live])  # type: ignore[misc]
+        for event in events:
+            r = self.rows[event.row]
+            assert r is not None
+            self._deliver(r, event)
+
+    def _deliver(self, r: Request, event: StreamEvent | None = None) -> None:
+        """Hand a request its newly final text (``event``'s, or whatever is pending)."""
+        text = event.text if event is not None else r.seq.take_stream()
+        finished = r.seq.finished
+        if text or finished:
+            reason = _finish_reason(r.seq.finish_reason) if finished else None
+            r.on_event(RequestEvent(text, finished, reason))
+
+
+def _finish_reason(reason: str | None) -> str:
+    """OpenAI's names: "stop" for an end-of-sequence token or a stop string, else "length"."""
+    return "stop" if reason in ("eos", "stop") else "length"

@@ -1,0 +1,131 @@
+"""Continuous batching on a tiny random model: requests that join and leave a running batch get
+what they would get alone; cancelled requests free their slot; limits refuse clearly."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdraft.api import build_engine
+from specdraft.engine import Engine
+from specdraft.errors import ContextOverflowError, SpecdraftError
+from specdraft.model.loader import load
+from specdraft.policy import CostModel
+from specdraft.sampling import Sampling
+from specdraft.scheduler import Overloaded, Request, RequestEvent, Scheduler, SchedulerConfig
+from specdraft.sequence import GenerationConfig
+
+TEXTS = ["Hello there, how are", "The quick brown fox jumps over the lazy dog and then", "a",
+         "Once upon a time", "def add(a, b):\n    return a + b\n\ndef add(a, b):", "She sells sea shells"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_hf):
+    return load(tiny_hf)
+
+
+def prompts(tiny) -> list[list[int]]:
+    return [tiny.tokenizer.encode(t) for t in TEXTS]
+
+
+def run(scheduler: Scheduler, submissions: list[tuple[int, list[int], GenerationConfig, Sampling]]
+        ) -> tuple[list[Request], dict[int, list[RequestEvent]]]:
+    """Submit each request at its iteration (first element), run until idle."""
+    events: dict[int, list[RequestEvent]] = {}
+    requests: list[Request] = []
+    pending = sorted(submissions, key=lambda s: s[0])
+    iteration = 0
+    while pending or scheduler.run_once():
+        while pending and pending[0][0] <= iteration:
+            _, prompt, cfg, sampling = pending.pop(0)
+            i = len(requests)
+            events[i] = []
+            requests.append(scheduler.submit(prompt, cfg, sampling, events[i].append))
+        if pending:
+            scheduler.run_once()
+        iteration += 1
+        assert iteration < 10_000
+    return requests, events
+
+
+@pytest.mark.parametrize("method", ["plain", "ngram"])
+def test_joining_and_leaving_rows_equal_each_request_alone(tiny, method):
+    """Requests arrive while others run, more than there are slots (they queue and reuse
+    slots), with prompts fed in small chunks between steps; greedy and seeded sampled output
+    equal each request generated alone."""
+    engine = build_engine(tiny, method, k=4, policy="fixed")
+    scheduler = Scheduler(engine, SchedulerConfig(max_batch=3, prefill_chunk=4, prefill_tokens=6, row_capacity=96))
+    cfgs = [GenerationConfig(max_new_tokens=n, ignore_eos=True) for n in (20, 7, 30, 12, 25, 9)]
+    samplings = [Sampling(), Sampling(temperature=0.8, seed=5), Sampling(), Sampling(temperature=1.0, top_k=20, seed=1),
+                 Sampling(), Sampling()]
+    arrivals = [0, 0, 3, 4, 4, 11]
+    requests, events = run(scheduler, list(zip(arrivals, prompts(tiny), cfgs, samplings)))
+    for i, (r, p, cfg, s) in enumerate(zip(requests, prompts(tiny), cfgs, samplings)):
+        alone = engine.generate([p], cfg, s)[0]
+        assert r.seq.output == alone.tokens, f"request {i}"
+        assert "".join(e.text for e in events[i]) == alone.text
+        assert [e.finished for e in events[i]].count(True) == 1 and events[i][-1].finished
+        assert events[i][-1].finish_reason == "length"
+        assert r.completion_tokens == cfg.max_new_tokens
+    assert not scheduler.busy and scheduler.counters.finished == len(requests)
+    assert all(n == 0 for n in scheduler.cache.lengths)
+
+
+def test_a_cancelled_request_frees_its_slot_at_once(tiny):
+    engine = Engine(tiny.model, tiny.tokenizer)
+    scheduler = Scheduler(engine, SchedulerConfig(max_batch=2, row_capacity=128))
+    p = prompts(tiny)
+    events: list[RequestEvent] = []
+    long = scheduler.submit(p[0], GenerationConfig(max_new_tokens=100, ignore_eos=True), on_event=events.append)
+    other = scheduler.submit(p[1], GenerationConfig(max_new_tokens=6, ignore_eos=True))
+    for _ in range(3):
+        scheduler.run_once()
+    assert long.slot == 0 and scheduler.counters.last_step_rows == 2
+    scheduler.cancel(long)
+    scheduler.run_once()
+    assert long.slot is None and scheduler.rows[0] is None
+    assert events[-1].finished and events[-1].finish_reason == "cancelled"
+    assert scheduler.counters.cancelled == 1
+    # the next step ran the other row only if it is still going; once it is done, no step runs
+    scheduler.run_until_idle()
+    steps = scheduler.counters.steps
+    assert not scheduler.run_once() and scheduler.counters.steps == steps
+    assert other.seq.finished and len(other.seq.output) == 6
+
+
+def test_last_running_slot_bounds_the_step(tiny):
+    """Rows past the last running slot are not computed: after the high slot finishes, steps
+    run one row."""
+    engine = Engine(tiny.model, tiny.tokenizer)
+    scheduler = Scheduler(engine, SchedulerConfig(max_batch=4, row_capacity=128))
+    p = prompts(tiny)
+    first = scheduler.submit(p[0], GenerationConfig(max_new_tokens=40, ignore_eos=True))
+    scheduler.submit(p[1], GenerationConfig(max_new_tokens=3, ignore_eos=True))
+    for _ in range(8):
+        scheduler.run_once()
+    assert first.slot == 0 and not first.seq.finished
+    assert scheduler.counters.last_step_rows == 1
+
+
+def test_limits_refuse_with_one_line_errors(tiny):
+    engine = Engine(tiny.model, tiny.tokenizer)
+    scheduler = Scheduler(engine, SchedulerConfig(max_batch=1, max_queue=2, row_capacity=32))
+    p = prompts(tiny)[0]
+    cfg = GenerationConfig(max_new_tokens=4)
+    scheduler.submit(p, cfg)
+    scheduler.submit(p, cfg)
+    with pytest.raises(Overloaded, match="overloaded"):
+        scheduler.submit(p, cfg)
+    with pytest.raises(ContextOverflowError, match="context per request is 32"):
+        scheduler.submit(p, GenerationConfig(max_new_tokens=40))
+    with pytest.raises(SpecdraftError, match="empty"):
+        scheduler.submit([], cfg)
+    with pytest.raises(SpecdraftError, match="vocabulary"):
+        scheduler.submit([10**6], cfg)
+    with pytest.raises(SpecdraftError, match="max_batch"):
+        SchedulerConfig(max_batch=0)
+
+
+def test_cost_model_prices_a_batch_at_the_next_grid_size():
+    cost = CostModel(table={1: {1: 1.0, 9: 2.0}, 4: {1: 3.0, 9: 4.0}}, batch_grid=(1, 4))
+    assert cost.latency(3, 1, 9) == 3.0 and cost.latency(4, 9, 9) == 4.0 and cost.latency(1, 9, 9) == 2.0
+    assert SchedulerConfig(max_batch=12).batch_grid == (1, 2, 4, 8, 12)
