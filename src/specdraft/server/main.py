@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -78,6 +79,11 @@ def serve(cfg: ServeConfig) -> int:
     app = create_app(state)
     print(f"specdraft serve: {state.model_id} ({cfg.method}) on http://{cfg.host}:{cfg.port}/v1 "
           f"(up to {cfg.max_batch} rows, {state.scheduler.row_capacity} tokens each)", file=sys.stderr, flush=True)
+    # uvicorn handles SIGTERM itself (it stops accepting, lets requests in flight finish, runs
+    # the shutdown), then restores the handler it found and raises the signal again: with this
+    # one, that second delivery is a no-op and the process exits 0 after a clean shutdown
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
                 timeout_graceful_shutdown=cfg.shutdown_timeout)
+    print("specdraft serve: stopped", file=sys.stderr, flush=True)
     return 0

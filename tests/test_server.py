@@ -1,0 +1,307 @@
+"""The real server in a subprocess on a free loopback port, driven with the ``openai`` client:
+streamed = non-streamed, batch-invariant greedy output = generate's while other requests run,
+64 concurrent requests, and faults (bad requests, a client that goes away, overload, SIGTERM).
+Every loop here is bounded and every request targets 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from specdraft.api import build_engine  # noqa: E402
+from specdraft.model.loader import load  # noqa: E402
+from specdraft.sampling import Sampling  # noqa: E402
+from specdraft.sequence import GenerationConfig  # noqa: E402
+from tiny_models import write_hf_model  # noqa: E402
+
+HOST = "127.0.0.1"
+MODEL_ID = "tiny"
+PROMPTS = ["Hello there, how are", "The quick brown fox", "def add(a, b):\n    return", "Once upon a time",
+           "She sells sea shells by", "for i in range(10):", "Numbers like 12345 and", "It was the best of"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``specdraft serve`` in a subprocess; stopped with SIGTERM, killed if it hangs."""
+
+    def __init__(self, model: Path, *args: str) -> None:
+        self.port = free_port()
+        self.log = open(model.parent / f"server-{self.port}.log", "w+")
+        cmd = [sys.executable, "-m", "specdraft", "serve", "--model", str(model), "--port", str(self.port),
+               "--host", HOST, "--served-model-name", MODEL_ID, "--threads", "1", *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.output()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server did not start: {self.output()}")
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def client(self) -> "openai.OpenAI":
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-3000:]
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def post(self, path: str, body: bytes | dict) -> tuple[int, dict]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        req = urllib.request.Request(f"{self.url}{path}", data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def tiny_long(tmp_path_factory) -> Path:
+    """The tiny random Llama with a 4096-token context (long requests for the fault tests)."""
+    return write_hf_model(tmp_path_factory.mktemp("serve") / "tiny-long", "llama", seed=0, max_position=4096)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_long: Path) -> Iterator[Server]:
+    s = Server(tiny_long, "--method", "ngram", "--batch-invariant", "--max-batch", "8", "--max-queue", "128",
+               "--context", "4096")
+    yield s
+    assert s.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_long: Path):
+    """What ``specdraft generate`` computes: plain decoding, batch-invariant, one prompt at a time."""
+    loaded = load(tiny_long, batch_invariant=True)
+    engine = build_engine(loaded, "plain")
+
+    def generate(prompt: str, max_tokens: int, **sampling) -> str:
+        ids = loaded.tokenizer.encode(prompt)
+        return engine.generate([ids], GenerationConfig(max_new_tokens=max_tokens, ignore_eos=True),
+                               Sampling(**sampling))[0].text
+    return generate
+
+
+def complete(client, prompt: str, max_tokens: int, stream: bool = False, **kw) -> tuple[str, str]:
+    """(text, finish_reason) of one completion, streamed or not."""
+    extra = {"ignore_eos": True}
+    if not stream:
+        r = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=max_tokens, extra_body=extra, **kw)
+        return r.choices[0].text, r.choices[0].finish_reason
+    parts, finish = [], None
+    for chunk in client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=max_tokens, stream=True,
+                                           extra_body=extra, **kw):
+        for c in chunk.choices:
+            parts.append(c.text)
+            finish = c.finish_reason or finish
+    return "".join(parts), finish
+
+
+def test_models_health_and_usage(server: Server):
+    client = server.client()
+    assert [m.id for m in client.models.list().data] == [MODEL_ID]
+    r = client.completions.create(model=MODEL_ID, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 12
+    assert r.usage.completion_tokens_details.accepted_prediction_tokens >= 0
+    assert r.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_streamed_text_equals_non_streamed(server: Server, temperature: float):
+    client = server.client()
+    whole = complete(client, PROMPTS[1], 40, temperature=temperature, seed=7)
+    streamed = complete(client, PROMPTS[1], 40, stream=True, temperature=temperature, seed=7)
+    assert streamed == whole and whole[1] == "length"
+    chat = dict(model=MODEL_ID, messages=[{"role": "user", "content": PROMPTS[3]}], max_tokens=24,
+                temperature=temperature, seed=3, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**chat).choices[0].message.content
+    chunks = client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **chat)
+    pieces, usage = [], None
+    for chunk in chunks:
+        pieces.extend(c.delta.content or "" for c in chunk.choices)
+        usage = chunk.usage or usage
+    assert "".join(pieces) == full
+    assert usage is not None and usage.completion_tokens == 24
+
+
+def test_greedy_output_is_generates_while_other_requests_run(server: Server, reference):
+    client = server.client()
+    expected = reference(PROMPTS[2], 64)
+    with ThreadPoolExecutor(8) as pool:
+        noise = [pool.submit(complete, client, p, 200, stream=True, temperature=1.0, seed=i)
+                 for i, p in enumerate(PROMPTS)]
+        time.sleep(0.2)  # the others are running
+        mine = [pool.submit(complete, client, PROMPTS[2], 64, temperature=0) for _ in range(3)]
+        results = [f.result() for f in mine]
+        for f in noise:
+            f.result()
+    assert all(text == expected for text, _ in results)
+
+
+def test_64_concurrent_requests_complete_intact(server: Server, reference):
+    client = server.client()
+    jobs = [(PROMPTS[i % len(PROMPTS)], 8 + i % 13, i % 2 == 0) for i in range(64)]
+    with ThreadPoolExecutor(64) as pool:
+        futures = [pool.submit(complete, client, p, n, stream, temperature=0) for p, n, stream in jobs]
+        results = [f.result(timeout=300) for f in futures]
+    for (prompt, n, _), (text, finish) in zip(jobs, results):
+        assert finish == "length"
+        assert text == reference(prompt, n)  # no token lost, repeated or taken from another stream
+
+
+@pytest.mark.parametrize("body, param", [
+    (b'{"prompt": "x", ', None),
+    ({"model": MODEL_ID, "prompt": "x", "colour": "blue"}, "colour"),
+    ({"model": MODEL_ID, "prompt": "x", "max_tokens": -3}, "max_tokens"),
+    ({"model": MODEL_ID, "prompt": "x", "max_tokens": 10**9}, "max_tokens"),
+    ({"model": MODEL_ID, "prompt": "word " * 5000, "max_tokens": 4}, "max_tokens"),
+    ({"model": MODEL_ID, "prompt": "x", "temperature": -1}, "temperature"),
+    ({"model": MODEL_ID, "prompt": "x", "top_p": 0}, "top_p"),
+    ({"model": MODEL_ID, "prompt": "x", "top_k": -2}, "top_k"),
+    ({"model": MODEL_ID, "prompt": "x", "n": 2}, "n"),
+    ({"model": MODEL_ID, "prompt": ""}, "prompt"),
+    ({"model": MODEL_ID, "prompt": "x", "temperature": "hot"}, "temperature"),
+])
+def test_bad_requests_get_400_and_the_server_keeps_serving(server: Server, body, param):
+    status, answer = server.post("/v1/completions", body)
+    assert status == 400, answer
+    error = answer["error"]
+    assert error["type"] == "invalid_request_error" and error["message"] and "\n" not in error["message"]
+    assert error["param"] == param
+    status, answer = server.post("/v1/completions", {"model": MODEL_ID, "prompt": "x", "max_tokens": 2})
+    assert status == 200 and answer["usage"]["completion_tokens"] <= 2
+
+
+def test_chat_errors_and_unknown_model(server: Server):
+    status, answer = server.post("/v1/chat/completions", {"model": MODEL_ID, "messages": []})
+    assert status == 400 and answer["error"]["param"] == "messages"
+    status, answer = server.post("/v1/chat/completions", {"model": MODEL_ID, "messages": [{"role": "wizard",
+                                                                                          "content": "hi"}]})
+    assert status == 400
+    status, answer = server.post("/v1/completions", {"model": "gpt-9", "prompt": "x"})
+    assert status == 404 and answer["error"]["code"] == "model_not_found"
+
+
+def wait_for(predicate, seconds: float = 20.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_client_that_disconnects_frees_its_row(server: Server):
+    assert wait_for(lambda: server.metrics()["specdraft_running_requests"] == 0)
+    before = server.metrics()
+    body = json.dumps({"model": MODEL_ID, "prompt": PROMPTS[0], "max_tokens": 3900, "stream": True,
+                       "ignore_eos": True, "temperature": 0}).encode()
+    with socket.create_connection((HOST, server.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        received = b""
+        while received.count(b"data:") < 3:
+            received += sock.recv(4096)
+        assert server.metrics()["specdraft_running_requests"] == 1
+    # the socket is closed: the request is cancelled and its row freed, long before its 3,900 tokens
+    assert wait_for(lambda: server.metrics()["specdraft_running_requests"] == 0)
+    after = server.metrics()
+    key = 'specdraft_requests_total{endpoint="completions",outcome="cancelled"}'
+    assert after[key] == before.get(key, 0) + 1
+    steps = after["specdraft_decode_steps_total"]
+    time.sleep(0.5)
+    assert server.metrics()["specdraft_decode_steps_total"] == steps  # no step computes it any more
+    assert after["specdraft_last_step_rows"] == 0
+
+
+def test_an_overloaded_server_answers_503(tiny_long: Path):
+    s = Server(tiny_long, "--max-batch", "1", "--max-queue", "1", "--context", "4096")
+    try:
+        client = s.client()
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(complete, client, PROMPTS[0], 2000, temperature=0) for _ in range(4)]
+            outcomes = []
+            for f in futures:
+                try:
+                    outcomes.append(f.result(timeout=300)[1])
+                except openai.APIStatusError as e:
+                    outcomes.append(e.status_code)
+        assert outcomes.count(503) >= 1 and "length" in outcomes
+        assert set(outcomes) <= {503, "length"}
+        assert complete(client, PROMPTS[1], 4, temperature=0)[1] == "length"  # and it still serves
+    finally:
+        assert s.stop() == 0
+
+
+def test_sigterm_finishes_requests_in_flight_then_exits(tiny_long: Path):
+    s = Server(tiny_long, "--context", "4096")
+    client = s.client()
+    result: dict[str, object] = {}
+
+    def run() -> None:
+        result["out"] = complete(client, PROMPTS[0], 1500, stream=True, temperature=0)
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert wait_for(lambda: s.metrics()["specdraft_running_requests"] == 1)
+    s.proc.send_signal(signal.SIGTERM)
+    t.join(timeout=120)
+    assert not t.is_alive()
+    text, finish = result["out"]  # type: ignore[misc]
+    assert finish == "length" and text
+    assert s.proc.wait(timeout=60) == 0
+    s.stop()
