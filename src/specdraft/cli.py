@@ -187,6 +187,29 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
                    help="on SIGTERM, seconds to let requests in flight finish (default: 60)")
     srv.set_defaults(func=cmd_serve)
 
+    bs = sub.add_parser("bench-serve", help="load-test the server: plain against speculative at several concurrencies",
+                        description="Start `specdraft serve` once per method (and llama.cpp's server with --peers "
+                                    "llamacpp), send each workload's prompts as streamed greedy chat requests through "
+                                    "the OpenAI client at each concurrency (closed loop), and report throughput, "
+                                    "TTFT, inter-token latency (p50/p99) and tau. Writes results.json, report.md "
+                                    "and plots to --out.")
+    bs.add_argument("--methods", default="plain,suffix",
+                    help="comma-separated methods, options after a colon joined by '+', e.g. "
+                         "'plain,suffix,mtp:topk=4' (default: plain,suffix; include plain for speedups)")
+    bs.add_argument("--workloads", default="chat,code", help="comma-separated workloads (default: chat,code)")
+    bs.add_argument("--concurrency", default="1,4,16,64", help="comma-separated concurrencies (default: 1,4,16,64)")
+    bs.add_argument("--requests", type=int, default=None,
+                    help="requests per cell (default: max(8, 2 x concurrency))")
+    bs.add_argument("--max-tokens", type=int, default=96, help="tokens per request (default: 96)")
+    bs.add_argument("--context", type=int, default=1024, help="the servers' tokens per request (default: 1024)")
+    bs.add_argument("--peers", default="", help="llamacpp: llama-cpp-python's server on the same GGUF")
+    bs.add_argument("--out", default="runs/bench-serve", help="output folder (default: runs/bench-serve)")
+    bs.add_argument("--model", default=None, metavar="PATH", help="model (default: the embedded one)")
+    bs.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    bs.add_argument("--batch-invariant", action="store_true")
+    bs.add_argument("--threads", type=int, default=None, help="CPU threads of each server")
+    bs.set_defaults(func=cmd_bench_serve)
+
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from specdraft.server.main import ServeConfig, serve
@@ -198,6 +221,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       context=args.context, host=args.host, port=args.port, served_name=args.served_model_name,
                       log_level=args.log_level, shutdown_timeout=args.shutdown_timeout)
     return serve(cfg)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from specdraft.bench.serve import ServeBenchConfig, run_serve_bench
+
+    if args.requests is not None and args.requests < 1:
+        raise SpecdraftError(f"--requests must be >= 1, got {args.requests}")
+    cfg = ServeBenchConfig(methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
+                           workloads=tuple(w.strip() for w in args.workloads.split(",") if w.strip()),
+                           concurrency=_int_list(args.concurrency, "--concurrency"), requests=args.requests,
+                           max_tokens=args.max_tokens, model=args.model, dtype=args.dtype,
+                           batch_invariant=args.batch_invariant, threads=args.threads, context=args.context,
+                           peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()), out=args.out)
+    run_serve_bench(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
+    from pathlib import Path
+
+    print((Path(cfg.out) / "report.md").read_text())
+    return 0
 
 
 def _add_datastore_commands(sub: argparse._SubParsersAction) -> None:

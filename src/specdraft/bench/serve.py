@@ -1,0 +1,342 @@
+"""``specdraft bench-serve``: the server under load, plain against speculative, through the
+OpenAI client.
+
+For each method a ``specdraft serve`` subprocess is started on a free loopback port (the same
+model, dtype and limits), warmed with one request, then each workload is sent at each
+concurrency: ``concurrency`` client threads, each sending its next streamed chat request as
+soon as the last one ended (a closed loop), ``requests`` requests per cell, greedy. Measured
+per request on the client: time to first token (TTFT), the gaps between streamed chunks (ITL;
+a speculative chunk may hold several tokens, as in vLLM's serving benchmark), time per output
+token after the first (TPOT) and the tokens (the usage the server reports); per cell: output
+tokens per second of wall time, and tau from the server's /metrics. llama.cpp's own server
+(llama-cpp-python, on the same GGUF) is measured the same way where it is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specdraft.errors import SpecdraftError
+
+HOST = "127.0.0.1"
+PROMPT_CHARS = 2000  # a user message is cut to this many characters (the context is short on purpose)
+STARTUP_TIMEOUT_S = 900  # model load + the policy's cost measurement at every batch size
+
+
+@dataclass(frozen=True, slots=True)
+class ServeBenchConfig:
+    methods: tuple[str, ...] = ("plain", "suffix")  # "name" or "name:key=value+key=value" (method options)
+    workloads: tuple[str, ...] = ("chat", "code")
+    concurrency: tuple[int, ...] = (1, 4, 16, 64)
+    requests: int | None = None  # per cell; default max(8, 2 x concurrency)
+    max_tokens: int = 96
+    model: str | None = None
+    dtype: str = "float32"
+    batch_invariant: bool = False
+    threads: int | None = None
+    context: int = 1024
+    peers: tuple[str, ...] = ()  # "llamacpp"
+    out: str = "runs/bench-serve"
+
+    def requests_at(self, concurrency: int) -> int:
+        return self.requests if self.requests is not None else max(8, 2 * concurrency)
+
+
+@dataclass(slots=True)
+class Cell:
+    engine: str  # "specdraft:<method>" or "llamacpp"
+    method: str
+    workload: str
+    concurrency: int
+    requests: int
+    seconds: float
+    tokens: int
+    errors: int
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    tpot: list[float] = field(default_factory=list)
+    tau: float | None = None
+    acceptance: float | None = None
+
+    @property
+    def throughput(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        return {"engine": self.engine, "method": self.method, "workload": self.workload,
+                "concurrency": self.concurrency, "requests": self.requests, "errors": self.errors,
+                "seconds": self.seconds, "tokens": self.tokens, "throughput": self.throughput,
+                "ttft_p50": _pct(self.ttft, 50), "ttft_p99": _pct(self.ttft, 99),
+                "itl_p50": _pct(self.itl, 50), "itl_p99": _pct(self.itl, 99), "tpot_p50": _pct(self.tpot, 50),
+                "tau": self.tau, "acceptance": self.acceptance}
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A server in a subprocess, up once /health (or /v1/models) answers; stopped with SIGTERM."""
+
+    def __init__(self, cmd: list[str], port: int, name: str, log_dir: Path, health: str = "/health") -> None:
+        self.port, self.name = port, name
+        self.log_path = log_dir / f"server-{name.replace(':', '_').replace('=', '-')}.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.log.close()
+                tail = self.log_path.read_text()[-800:]
+                raise SpecdraftError(f"the {name} server exited with {self.proc.returncode}: {tail.strip()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}{health}", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+        self.stop()
+        raise SpecdraftError(f"the {name} server did not answer within {STARTUP_TIMEOUT_S} s (log: {self.log_path})")
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        if not self.log.closed:
+            self.log.close()
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The server's /metrics as {series: value} ({} when it has none)."""
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            try:
+                out[name] = float(value)
+            except ValueError:
+                pass
+    return out
+
+
+def _metric(m: dict[str, float], prefix: str) -> float:
+    return sum(v for k, v in m.items() if k.startswith(prefix))
+
+
+def one_request(client: Any, model: str, message: str, max_tokens: int, count_tokens: Any) -> dict[str, Any]:
+    """One streamed greedy chat request: TTFT, chunk gaps, tokens, end-to-end seconds."""
+    t0 = time.perf_counter()
+    first, last, gaps, parts, usage = None, None, [], [], None
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": message}],
+                                            max_tokens=max_tokens, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    for chunk in stream:
+        now = time.perf_counter()
+        if getattr(chunk, "usage", None) is not None:
+            usage = chunk.usage
+        text = "".join(c.delta.content or "" for c in chunk.choices if c.delta is not None)
+        if not text:
+            continue
+        if first is None:
+            first = now
+        else:
+            gaps.append(now - last)
+        last = now
+        parts.append(text)
+    end = time.perf_counter()
+    text = "".join(parts)
+    tokens = usage.completion_tokens if usage is not None else count_tokens(text)
+    ttft = (first - t0) if first is not None else end - t0
+    tpot = (last - first) / (tokens - 1) if first is not None and last is not None and tokens > 1 else None
+    return {"ttft": ttft, "gaps": gaps, "tokens": tokens, "tpot": tpot, "seconds": end - t0}
+
+
+def run_cell(url: str, model: str, engine: str, method: str, workload: str, messages: list[str], concurrency: int,
+             n_requests: int, max_tokens: int, count_tokens: Any) -> Cell:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
+    before = scrape(url)
+    lock = threading.Lock()
+    next_index = [0]
+    results: list[dict[str, Any]] = []
+    errors = [0]
+
+    def worker() -> None:
+        while True:
+            with lock:
+                i = next_index[0]
+                if i >= n_requests:
+                    return
+                next_index[0] += 1
+            try:
+                r = one_request(client, model, messages[i % len(messages)], max_tokens, count_tokens)
+            except Exception as e:  # noqa: BLE001  (a failed request is counted, the cell goes on)
+                print(f"bench-serve: request failed: {type(e).__name__}: {e}", file=sys.stderr)
+                with lock:
+                    errors[0] += 1
+                continue
+            with lock:
+                results.append(r)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        for f in [pool.submit(worker) for _ in range(concurrency)]:
+            f.result()
+    seconds = time.perf_counter() - t0
+    after = scrape(url)
+    cell = Cell(engine, method, workload, concurrency, n_requests, seconds, sum(r["tokens"] for r in results),
+                errors[0], [r["ttft"] for r in results], [g for r in results for g in r["gaps"]],
+                [r["tpot"] for r in results if r["tpot"] is not None])
+    passes = _metric(after, "specdraft_target_passes_total") - _metric(before, "specdraft_target_passes_total")
+    if passes > 0:
+        emitted = _metric(after, "specdraft_generation_tokens_total") - _metric(before, "specdraft_generation_tokens_total")
+        drafted = _metric(after, "specdraft_draft_tokens_total") - _metric(before, "specdraft_draft_tokens_total")
+        accepted = _metric(after, "specdraft_accepted_tokens_total") - _metric(before, "specdraft_accepted_tokens_total")
+        cell.tau = emitted / passes
+        cell.acceptance = accepted / drafted if drafted > 0 else None
+    return cell
+
+
+def workload_messages(workloads: tuple[str, ...]) -> dict[str, list[str]]:
+    from specdraft.workloads import load_workload, workload_label
+
+    return {workload_label(w): [p.turns[0][:PROMPT_CHARS] for p in load_workload(w)] for w in workloads}
+
+
+def _specdraft_cmd(cfg: ServeBenchConfig, method: str, port: int) -> list[str]:
+    name, _, opts = method.partition(":")
+    cmd = [sys.executable, "-m", "specdraft", "serve", "--port", str(port), "--host", HOST, "--method", name,
+           "--dtype", cfg.dtype, "--max-batch", str(max(cfg.concurrency)), "--max-queue", str(4 * max(cfg.concurrency)),
+           "--context", str(cfg.context), "--served-model-name", "bench"]
+    for opt in filter(None, opts.split("+")):
+        key, _, value = opt.partition("=")
+        if key in ("k", "policy"):
+            cmd += [f"--{key}", value]
+        else:
+            cmd += ["--opt", opt]
+    if cfg.model:
+        cmd += ["--model", cfg.model]
+    if cfg.batch_invariant:
+        cmd.append("--batch-invariant")
+    if cfg.threads:
+        cmd += ["--threads", str(cfg.threads)]
+    return cmd
+
+
+def _llamacpp_cmd(cfg: ServeBenchConfig, gguf: Path, port: int) -> list[str]:
+    threads = cfg.threads or os.cpu_count() or 1
+    return [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", HOST, "--port", str(port),
+            "--n_ctx", str(cfg.context), "--n_threads", str(threads), "--n_threads_batch", str(threads),
+            "--model_alias", "bench", "--verbose", "False"]
+
+
+def llamacpp_unavailable() -> str | None:
+    import importlib.util
+
+    for module in ("llama_cpp", "sse_starlette", "starlette_context", "pydantic_settings"):
+        if importlib.util.find_spec(module) is None:
+            return f"llama-cpp-python's server is not installed ({module} missing: pip install 'llama-cpp-python[server]')"
+    return None
+
+
+def run_serve_bench(cfg: ServeBenchConfig, log: Any = print) -> dict[str, Any]:
+    from specdraft.bench.machine import machine_info
+    from specdraft.model.loader import default_model_path
+    from specdraft.datastore import load_tokenizer
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    messages = workload_messages(cfg.workloads)
+    tokenizer, _ = load_tokenizer(cfg.model)
+    count = lambda text: len(tokenizer.encode(text, add_bos=False, add_eos=False))  # noqa: E731
+    cells: list[Cell] = []
+    notes: list[str] = []
+    engines: list[tuple[str, str, list[str] | None]] = []
+    for method in cfg.methods:
+        engines.append((f"specdraft:{method}", method, None))
+    gguf = Path(cfg.model) if cfg.model else default_model_path()
+    for peer in cfg.peers:
+        if peer != "llamacpp":
+            raise SpecdraftError(f"unknown serving peer {peer!r} (known: llamacpp)")
+        why = llamacpp_unavailable() or (None if gguf.suffix == ".gguf" else "llama.cpp needs a GGUF model")
+        if why:
+            notes.append(f"llamacpp skipped: {why}")
+            log(f"bench-serve: {notes[-1]}")
+        else:
+            engines.append(("llamacpp", "plain", []))
+    for engine, method, _ in engines:
+        port = free_port()
+        cmd = _llamacpp_cmd(cfg, gguf, port) if engine == "llamacpp" else _specdraft_cmd(cfg, method, port)
+        log(f"bench-serve: starting {engine}")
+        try:
+            server = ServerProcess(cmd, port, engine, out, health="/v1/models" if engine == "llamacpp" else "/health")
+        except SpecdraftError as e:
+            notes.append(str(e))
+            log(f"bench-serve: {e}")
+            continue
+        try:
+            first = next(iter(messages.values()))
+            run_cell(server.url, "bench", engine, method, "warmup", first, 1, 1, 16, count)
+            for workload, msgs in messages.items():
+                for c in cfg.concurrency:
+                    cell = run_cell(server.url, "bench", engine, method, workload, msgs, c, cfg.requests_at(c),
+                                    cfg.max_tokens, count)
+                    cells.append(cell)
+                    s = cell.summary()
+                    tau = f", tau {s['tau']:.2f}" if s["tau"] is not None else ""
+                    log(f"bench-serve: {engine:<22} {workload:<10} c={c:<3} {s['throughput']:7.1f} tok/s, "
+                        f"TTFT p50 {s['ttft_p50'] or 0:.2f} s{tau}" + (f", {cell.errors} errors" if cell.errors else ""))
+                    _save(out, cfg, cells, notes, machine_info())
+        finally:
+            server.stop()
+    results = _save(out, cfg, cells, notes, machine_info())
+    from specdraft.bench.serve_report import write_serve_report
+
+    write_serve_report(out, results)
+    return results
+
+
+def _save(out: Path, cfg: ServeBenchConfig, cells: list[Cell], notes: list[str], machine: dict[str, Any]) -> dict[str, Any]:
+    results = {"config": asdict(cfg), "machine": machine, "notes": notes, "cells": [c.summary() for c in cells]}
+    tmp = tempfile.NamedTemporaryFile("w", dir=out, delete=False, suffix=".tmp")
+    with tmp:
+        json.dump(results, tmp, indent=1)
+    os.replace(tmp.name, out / "results.json")
+    return results

@@ -1,0 +1,94 @@
+"""The report of a serving benchmark: a table per workload (throughput, speedup over plain
+serving at the same concurrency, TTFT, ITL, tau) and plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from specdraft.bench.machine import format_table
+
+
+def _speedup(cell: dict[str, Any], cells: list[dict[str, Any]]) -> float | None:
+    plain = [c for c in cells if c["engine"] == "specdraft:plain" and c["workload"] == cell["workload"]
+             and c["concurrency"] == cell["concurrency"]]
+    if not plain or not plain[0]["throughput"]:
+        return None
+    return cell["throughput"] / plain[0]["throughput"]
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{1000 * x:.0f}"
+
+
+def write_serve_report(folder: Path, results: dict[str, Any] | None = None) -> Path:
+    if results is None:
+        results = json.loads((folder / "results.json").read_text())
+    cells = results["cells"]
+    cfg = results["config"]
+    machine = results.get("machine", {})
+    lines = ["# Serving benchmark", "",
+             f"`specdraft bench-serve`: {', '.join(cfg['methods'])} (and peers: {', '.join(cfg['peers']) or 'none'}); "
+             f"workloads {', '.join(cfg['workloads'])}; concurrency {', '.join(map(str, cfg['concurrency']))}; "
+             f"{cfg['max_tokens']} tokens per request, greedy, streamed chat requests in a closed loop; "
+             f"{cfg['dtype']}{', batch-invariant' if cfg['batch_invariant'] else ''}.",
+             f"Machine: {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores; server threads: "
+             f"{cfg.get('threads') or 'torch default'}.", "",
+             "Throughput is output tokens per second of wall time over the cell; speedup is over specdraft's plain "
+             "serving at the same concurrency; TTFT and ITL (gap between streamed chunks) in ms; tau = tokens per "
+             "target pass per row (from the server's /metrics).", ""]
+    for workload in dict.fromkeys(c["workload"] for c in cells):
+        rows = []
+        for c in (c for c in cells if c["workload"] == workload):
+            sp = _speedup(c, cells)
+            rows.append([c["engine"], c["concurrency"], c["requests"], f"{c['throughput']:.1f}",
+                         "-" if sp is None else f"{sp:.2f}x", _ms(c["ttft_p50"]), _ms(c["ttft_p99"]),
+                         _ms(c["itl_p50"]), _ms(c["itl_p99"]), _ms(c["tpot_p50"]),
+                         "-" if c["tau"] is None else f"{c['tau']:.2f}", c["errors"]])
+        lines += [f"## {workload}", "", format_table(
+            ["engine", "conc.", "requests", "tok/s", "speedup", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99",
+             "TPOT p50", "tau", "errors"], rows), ""]
+    if results.get("notes"):
+        lines += ["## Notes", ""] + [f"- {n}" for n in results["notes"]] + [""]
+    plots = write_serve_plots(folder, cells)
+    if plots:
+        lines += ["Plots: " + ", ".join(f"`{p.name}`" for p in plots), ""]
+    path = folder / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def write_serve_plots(folder: Path, cells: list[dict[str, Any]]) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    workloads = list(dict.fromkeys(c["workload"] for c in cells))
+    engines = list(dict.fromkeys(c["engine"] for c in cells))
+    out = []
+    for key, ylabel, name, scale in (("throughput", "output tokens / s", "throughput_vs_concurrency.png", 1.0),
+                                     ("ttft_p50", "TTFT p50 (ms)", "ttft_vs_concurrency.png", 1000.0),
+                                     ("itl_p50", "ITL p50 (ms)", "itl_vs_concurrency.png", 1000.0)):
+        fig, axes = plt.subplots(1, len(workloads), figsize=(5.2 * len(workloads), 3.8), squeeze=False)
+        for ax, workload in zip(axes[0], workloads):
+            for engine in engines:
+                sel = sorted((c for c in cells if c["engine"] == engine and c["workload"] == workload
+                              and c[key] is not None), key=lambda c: c["concurrency"])
+                if sel:
+                    ax.plot([c["concurrency"] for c in sel], [scale * c[key] for c in sel], marker="o", label=engine)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrent requests")
+            ax.set_ylabel(ylabel)
+            ax.set_title(workload)
+            ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=8)
+        fig.tight_layout()
+        path = folder / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        out.append(path)
+    return out
