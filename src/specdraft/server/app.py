@@ -83,7 +83,10 @@ class _Job:
         self.id = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
 
     def on_event(self, event: RequestEvent) -> None:  # the scheduler's thread
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop is closed (shutting down): nobody is listening
+            pass
 
     def cancel(self) -> None:
         if self.request is not None:
