@@ -305,3 +305,38 @@ def test_sigterm_finishes_requests_in_flight_then_exits(tiny_long: Path):
     assert finish == "length" and text
     assert s.proc.wait(timeout=60) == 0
     s.stop()
+
+
+@pytest.mark.real_model
+def test_default_model_bf16_batch_invariant_mtp_equals_generate(tmp_path: Path):
+    """The default model in bfloat16 with --batch-invariant and the shipped MTP module: a greedy
+    chat request is byte-identical to plain `generate` while sampled requests run beside it."""
+    from specdraft.model.loader import default_model_path
+    from specdraft.errors import ModelFileError
+
+    try:
+        model = default_model_path()
+    except ModelFileError:
+        pytest.skip("the default model is not installed")
+    loaded = load(model, dtype="bfloat16", batch_invariant=True)
+    message = "Write a Python function that reverses a string."
+    ids = loaded.tokenizer.encode_chat([{"role": "user", "content": message}])
+    expected = build_engine(loaded, "plain").generate([ids], GenerationConfig(max_new_tokens=48))[0].text
+    link = tmp_path / model.name  # the server's log goes next to its model
+    link.symlink_to(model)
+    s = Server(link, "--method", "mtp", "--policy", "fixed", "--k", "6", "--dtype", "bfloat16", "--batch-invariant",
+               "--max-batch", "4", "--context", "512", "--threads", "2")
+    try:
+        client = s.client()
+        chat = dict(model=MODEL_ID, max_tokens=48)
+        with ThreadPoolExecutor(4) as pool:
+            noise = [pool.submit(client.chat.completions.create, messages=[{"role": "user", "content": p}],
+                                 temperature=0.8, seed=i, **chat) for i, p in enumerate(PROMPTS[:3])]
+            mine = client.chat.completions.create(messages=[{"role": "user", "content": message}], temperature=0,
+                                                  **chat)
+            for f in noise:
+                f.result()
+        assert mine.choices[0].message.content == expected
+        assert mine.usage.completion_tokens_details.accepted_prediction_tokens > 0  # it did speculate
+    finally:
+        assert s.stop() == 0
