@@ -77,9 +77,11 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 
 
-def save_medusa(heads: MedusaHeads, folder: str | Path, target: str, extra: dict[str, Any] | None = None) -> Path:
+def save_medusa(heads: MedusaHeads, folder: str | Path, target: str, extra: dict[str, Any] | None = None,
+                dtype: torch.dtype | None = None) -> Path:
     """Write ``config.json`` (the heads' shape, the target it was trained for) and
-    ``model.safetensors`` (the heads, the shared LM head, EAGLE-3-style ``d2t``/``t2d``)."""
+    ``model.safetensors`` (the heads, the shared LM head, EAGLE-3-style ``d2t``/``t2d``), the
+    weights in ``dtype`` (default: their own)."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
@@ -88,9 +90,11 @@ def save_medusa(heads: MedusaHeads, folder: str | Path, target: str, extra: dict
     config = {"architecture": "specdraft-medusa", "medusa_num_heads": c.heads, "hidden_size": c.hidden_size,
               "draft_vocab_size": c.draft_vocab, "vocab_size": c.target_vocab, "target": target, **(extra or {})}
     vocab = heads.vocab
-    tensors = {f"blocks.{i}.{p}": getattr(b, p).detach().contiguous() for i, b in enumerate(heads.blocks)
+    cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)  # noqa: E731
+    tensors = {f"blocks.{i}.{p}": cast(getattr(b, p)).detach().contiguous() for i, b in enumerate(heads.blocks)
                for p in ("weight", "bias")}
-    tensors.update({"lm_head.weight": heads.lm_head.weight.detach().contiguous(), "d2t": vocab.d2t, "t2d": vocab.t2d})
+    tensors.update({"lm_head.weight": cast(heads.lm_head.weight).detach().contiguous(), "d2t": vocab.d2t,
+                    "t2d": vocab.t2d})
     save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return folder

@@ -160,5 +160,5 @@ def train_medusa(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: Me
     log(f"medusa: {result.line()}")
     save_medusa(heads, folder, target=loaded.source.name,
                 extra={"training": cfg.key(), "held_out": {"tau": result.tau, "head_accuracy": result.head_accuracy,
-                                                           "positions": result.positions}})
+                                                           "positions": result.positions}}, dtype=torch.bfloat16)
     return result
