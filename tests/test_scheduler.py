@@ -47,12 +47,14 @@ def run(scheduler: Scheduler, submissions: list[tuple[int, list[int], Generation
     return requests, events
 
 
-@pytest.mark.parametrize("method", ["plain", "ngram"])
-def test_joining_and_leaving_rows_equal_each_request_alone(tiny, method):
+@pytest.mark.parametrize("method", ["plain", "ngram", "draft"])
+def test_joining_and_leaving_rows_equal_each_request_alone(tiny, tiny_hf, method):
     """Requests arrive while others run, more than there are slots (they queue and reuse
     slots), with prompts fed in small chunks between steps; greedy and seeded sampled output
-    equal each request generated alone."""
-    engine = build_engine(tiny, method, k=4, policy="fixed")
+    equal each request generated alone. (draft: the tiny model drafts for itself, so its
+    cache's rows and views are exercised with drafts that are accepted.)"""
+    options = {"path": str(tiny_hf)} if method == "draft" else None
+    engine = build_engine(tiny, method, k=4, policy="fixed", options=options)
     scheduler = Scheduler(engine, SchedulerConfig(max_batch=3, prefill_chunk=4, prefill_tokens=6, row_capacity=96))
     cfgs = [GenerationConfig(max_new_tokens=n, ignore_eos=True) for n in (20, 7, 30, 12, 25, 9)]
     samplings = [Sampling(), Sampling(temperature=0.8, seed=5), Sampling(), Sampling(temperature=1.0, top_k=20, seed=1),
@@ -68,6 +70,8 @@ def test_joining_and_leaving_rows_equal_each_request_alone(tiny, method):
         assert r.completion_tokens == cfg.max_new_tokens
     assert not scheduler.busy and scheduler.counters.finished == len(requests)
     assert all(n == 0 for n in scheduler.cache.lengths)
+    if method == "draft":  # a model drafting for itself: (nearly) every draft token is accepted
+        assert scheduler.stats.accepted > 0.9 * scheduler.stats.proposed > 0
 
 
 def test_a_cancelled_request_frees_its_slot_at_once(tiny):

@@ -14,7 +14,8 @@ and values of a prefix of that row's ``seq.tokens``. At each ``propose``:
 
 ``observe`` rolls the row back to its context plus the drafted tokens that were accepted; the
 next catch-up feeds the rest. The cache is allocated at the first ``propose`` of a batch
-(re-allocated, and every row re-prefilled, if a later batch needs more rows or positions).
+(re-allocated, and every row re-prefilled, if a later batch needs more rows or positions; a
+continuous batch that runs fewer rows drafts in a view of the first ones).
 
 A draft whose context is shorter than a request needs stops drafting for that request (the
 budget is clamped; output is unchanged, only speculation stops).
@@ -168,19 +169,24 @@ class DraftModelProposer:
         root_len = list(cache_d.lengths)
         drafted = draft_chains(Drafter(self.draft, cache_d), root_logits, active, budgets, self.branches, self.vocab)
         cache_d.truncate([n + fed for n, fed in zip(root_len, drafted.fed)])
+        if cache_d is not self.cache:  # a view of the first rows: its lengths go back to the cache
+            assert self.cache is not None
+            self.cache.lengths[: len(seqs)] = cache_d.lengths
         self.pending = {r: _Pending(root_len[r], drafted.fed[r]) for r, s in enumerate(active) if s is not None}
         return drafted.drafts
 
     def _cache_for(self, seqs: Seq[Sequence | None]) -> KVCache:
-        """The draft cache, (re)allocated when the batch needs more rows or positions."""
+        """The draft cache for this step's rows: (re)allocated when the batch needs more rows or
+        positions (every row is then caught up again); when a continuous batch runs fewer rows
+        than it has, its first ``len(seqs)`` rows as a view (``propose`` hands the lengths back)."""
         longest = max([*self.capacity.values(), *(s.capacity for s in seqs if s is not None)])
         needed = min(self.draft.config.max_context, longest + self.max_draft + 1)
         c = self.cache
-        if c is None or c.batch_size != len(seqs) or c.capacity < needed:
-            self.cache = self.draft.new_cache(len(seqs), needed)
+        if c is None or c.batch_size < len(seqs) or c.capacity < needed:
+            self.cache = self.draft.new_cache(max(len(seqs), c.batch_size if c is not None else 0), needed)
             self.pending.clear()
         assert self.cache is not None
-        return self.cache
+        return self.cache if self.cache.batch_size == len(seqs) else self.cache.head(len(seqs))
 
     def _catch_up(self, cache: KVCache, seqs: Seq[Sequence | None]) -> tuple[Tensor, list[bool]]:
         """Feed each drafting row's unseen tokens (its root last), right-padded, in chunks.
