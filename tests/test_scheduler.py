@@ -133,3 +133,28 @@ def test_cost_model_prices_a_batch_at_the_next_grid_size():
     cost = CostModel(table={1: {1: 1.0, 9: 2.0}, 4: {1: 3.0, 9: 4.0}}, batch_grid=(1, 4))
     assert cost.latency(3, 1, 9) == 3.0 and cost.latency(4, 9, 9) == 4.0 and cost.latency(1, 9, 9) == 2.0
     assert SchedulerConfig(max_batch=12).batch_grid == (1, 2, 4, 8, 12)
+
+
+def test_observed_forwards_correct_the_measured_cost_curve():
+    """A token count observed OBSERVED_MIN times replaces the measured point; counts in between
+    are scaled by the observed ratio; the curve stays non-decreasing."""
+    assert not CostModel(table={8: {1: 1.0}}).observed and CostModel(table={}).learns is None
+    given = CostModel(table={8: {1: 1.0, 9: 2.0}})
+    for _ in range(3):
+        given.observe(8, 1, 5.0)
+    assert given.latency(8, 1, 9) == 1.0  # a given table is taken as it is
+    cost = CostModel(table={8: {1: 1.0, 2: 1.1, 4: 1.3, 9: 2.0}}, learns=True)
+    cost.observe(8, 2, 1.5)
+    cost.observe(8, 2, 1.5)
+    assert cost.latency(8, 2, 9) == 1.1  # two observations: not yet
+    cost.observe(8, 2, 1.5)
+    assert cost.latency(8, 2, 9) == pytest.approx(1.5)
+    assert cost.latency(8, 1, 9) == pytest.approx(1.0 * 1.5 / 1.1)  # ratio held below the observed count
+    assert cost.latency(8, 9, 9) == pytest.approx(2.0 * 1.5 / 1.1)  # and above it
+    cost.observe(8, 1, 0.5)
+    for _ in range(3):
+        cost.observe(8, 4, 1.0)  # cheaper than q = 2 was observed: pooled, never decreasing
+    curve = [cost.latency(8, q, 9) for q in (1, 2, 3, 4, 9)]
+    assert curve == sorted(curve)
+    cost.observe(3, 1, 9.0)  # no measured curve for that batch: ignored
+    assert 3 not in cost.observed

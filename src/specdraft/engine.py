@@ -269,7 +269,11 @@ class Engine:
         before = list(cache.lengths)
         out = self._verify(drafts, batch.last, cache)
         logits = out.logits  # [B, 1 + width, V]
+        if self.speculative and logits.device.type == "cuda":
+            torch.cuda.synchronize(logits.device)  # the forward's real time, for the cost model
         t2 = time.perf_counter()
+        if self.speculative:
+            self.policy.observe_verify_time(len(seqs), 1 + max(len(d) for d in drafts), t2 - t1)
         results: list[Acceptance | None] = []
         events: list[StreamEvent] = []
         for row, (s, draft) in enumerate(zip(seqs, drafts)):

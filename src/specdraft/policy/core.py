@@ -418,6 +418,12 @@ class Policy:
         """One drafting step for ``batch`` rows, with budgets up to ``budget``, took ``seconds``."""
         self.propose_costs.setdefault(batch, ProposeCost()).observe(budget, seconds)
 
+    def observe_verify_time(self, batch: int, q: int, seconds: float) -> None:
+        """A verification forward of ``batch`` rows over ``q`` tokens each took ``seconds``: it
+        corrects the cost model's measured curve (``CostModel.observe``)."""
+        if self.config.kind == "adaptive" and self.cost is not None:
+            self.cost.observe(batch, q, seconds)
+
     def proposing(self, batch: int, budget: int) -> float:
         """The proposer's expected seconds for a budget at this batch size: measured at this
         size, else at the largest smaller one measured (drafting for more rows costs at least

@@ -15,26 +15,78 @@ from specdraft.model.linear import PACKED_FROM_ROWS
 from specdraft.model.transformer import Transformer
 
 
+OBSERVED_DECAY = 0.9  # weight an observed forward's running mean keeps at each new observation
+OBSERVED_MIN = 3  # observations of a token count before they correct the measured curve
+
+
 @dataclass(slots=True)
 class CostModel:
     """Measured latency (seconds) of one target forward over q new tokens per row, per batch
     size. Measured on first use of a batch size (a handful of dummy forwards), or given.
     ``batch_grid`` (a continuous batch, whose size changes every few steps): a batch size is
     priced as the next size up in the grid, so that only those are ever measured (a size past
-    the grid's largest is measured as itself)."""
+    the grid's largest is measured as itself).
+
+    The measurement runs at a ``prefix`` of 128 cached tokens and equal rows; real rows are
+    longer and ragged, and attention grows with them. So the engine reports each verification
+    forward it runs (``observe``): once a token count has ``OBSERVED_MIN`` observations, its
+    running mean replaces the measured point, and the points in between are the measured curve
+    scaled by the observed ratio (interpolated, held constant past the observed ones), made
+    non-decreasing again. A table given without a model is not corrected unless ``learns``."""
 
     model: Transformer | None = None
     table: dict[int, dict[int, float]] = field(default_factory=dict)  # batch -> q -> seconds
     prefix: int = 128  # cached tokens per row during measurement
     batch_grid: tuple[int, ...] = ()
+    learns: bool | None = None  # correct the curve with observed forwards (None: when it measures itself)
+    observed: dict[int, dict[int, list[float]]] = field(default_factory=dict)  # batch -> q -> [mean s, count]
+    _curves: dict[int, dict[int, float]] = field(default_factory=dict)  # batch -> the corrected curve
+
+    def _bucket(self, batch: int) -> int:
+        return min((b for b in self.batch_grid if b >= batch), default=batch)
 
     def latency(self, batch: int, q: int, q_max: int) -> float:
-        batch = min((b for b in self.batch_grid if b >= batch), default=batch)
+        batch = self._bucket(batch)
         if batch not in self.table:
             if self.model is None:
                 raise SpecdraftError(f"cost model has no measurement for batch {batch}")
             self.table[batch] = monotone(measure_latency(self.model, batch, _grid(q_max), self.prefix))
-        return _interpolate(self.table[batch], q)
+        curve = self._curves.get(batch)
+        if curve is None:
+            curve = self._curves[batch] = self._corrected(batch)
+        return _interpolate(curve, q)
+
+    def observe(self, batch: int, q: int, seconds: float) -> None:
+        """A real forward of ``batch`` rows over ``q`` new tokens each took ``seconds``."""
+        if not (self.learns if self.learns is not None else self.model is not None):
+            return  # a given table (a test's, a simulation's) is taken as it is
+        batch = self._bucket(batch)
+        if batch not in self.table or seconds <= 0:
+            return  # nothing measured to correct (a fixed policy never prices this batch)
+        o = self.observed.setdefault(batch, {}).setdefault(q, [seconds, 0.0])
+        o[0] = OBSERVED_DECAY * o[0] + (1 - OBSERVED_DECAY) * seconds if o[1] else seconds
+        o[1] += 1
+        if o[1] >= OBSERVED_MIN:
+            self._curves.pop(batch, None)
+
+    def _corrected(self, batch: int) -> dict[int, float]:
+        base = self.table[batch]
+        seen = {q: o[0] for q, o in self.observed.get(batch, {}).items() if o[1] >= OBSERVED_MIN}
+        if not seen:
+            return base
+        ratios = {q: t / _interpolate(base, q) for q, t in seen.items()}
+        points = sorted(set(base) | set(seen))
+        return monotone({q: seen[q] if q in seen else _interpolate(base, q) * _held(ratios, q) for q in points})
+
+
+def _held(points: dict[int, float], q: int) -> float:
+    """Linear interpolation between the points, held constant past the first and last."""
+    xs = sorted(points)
+    if q <= xs[0]:
+        return points[xs[0]]
+    if q >= xs[-1]:
+        return points[xs[-1]]
+    return _interpolate(points, q)
 
 
 def _grid(q_max: int) -> list[int]:
