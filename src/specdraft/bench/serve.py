@@ -159,13 +159,15 @@ def _metric(m: dict[str, float], prefix: str) -> float:
     return sum(v for k, v in m.items() if k.startswith(prefix))
 
 
-def one_request(client: Any, model: str, message: str, max_tokens: int, count_tokens: Any) -> dict[str, Any]:
-    """One streamed greedy chat request: TTFT, chunk gaps, tokens, end-to-end seconds."""
+def one_request(client: Any, model: str, message: str, max_tokens: int, count_tokens: Any,
+                usage_chunk: bool = True) -> dict[str, Any]:
+    """One streamed greedy chat request: TTFT, chunk gaps, tokens (the server's usage chunk, or
+    the text re-tokenized where the server sends none), end-to-end seconds."""
     t0 = time.perf_counter()
     first, last, gaps, parts, usage = None, None, [], [], None
+    extra = {"stream_options": {"include_usage": True}} if usage_chunk else {}
     stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": message}],
-                                            max_tokens=max_tokens, temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
+                                            max_tokens=max_tokens, temperature=0, stream=True, **extra)
     for chunk in stream:
         now = time.perf_counter()
         if getattr(chunk, "usage", None) is not None:
@@ -206,7 +208,8 @@ def run_cell(url: str, model: str, engine: str, method: str, workload: str, mess
                     return
                 next_index[0] += 1
             try:
-                r = one_request(client, model, messages[i % len(messages)], max_tokens, count_tokens)
+                r = one_request(client, model, messages[i % len(messages)], max_tokens, count_tokens,
+                                usage_chunk=engine.startswith("specdraft"))
             except Exception as e:  # noqa: BLE001  (a failed request is counted, the cell goes on)
                 print(f"bench-serve: request failed: {type(e).__name__}: {e}", file=sys.stderr)
                 with lock:
