@@ -180,6 +180,9 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--context", type=int, default=None,
                    help="tokens per request, prompt + output (default: the model's context, at most 2048); "
                         "the KV cache holds max-batch x context positions")
+    g.add_argument("--prefill-tokens", type=int, default=512,
+                   help="prompt tokens fed between two decode steps: more gives new requests their first token "
+                        "sooner, fewer keeps the running requests' tokens flowing (default: 512)")
     g.add_argument("--served-model-name", default=None, help="the model id clients use (default: the file's name)")
     g.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default: warning)")
@@ -214,11 +217,15 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from specdraft.server.main import ServeConfig, serve
 
+    for flag, value, least in (("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 1),
+                               ("--prefill-tokens", args.prefill_tokens, 1), ("--context", args.context, 2)):
+        if value is not None and value < least:
+            raise SpecdraftError(f"{flag} must be >= {least}, got {value}")
     _set_threads(args.threads)
     cfg = ServeConfig(model=args.model, method=args.method, k=args.k, policy=args.policy,
                       options=tuple(_options(args.opt).items()), dtype=args.dtype, device=args.device,
                       batch_invariant=args.batch_invariant, max_batch=args.max_batch, max_queue=args.max_queue,
-                      context=args.context, host=args.host, port=args.port, served_name=args.served_model_name,
+                      context=args.context, prefill_tokens=args.prefill_tokens, host=args.host, port=args.port, served_name=args.served_model_name,
                       log_level=args.log_level, shutdown_timeout=args.shutdown_timeout)
     return serve(cfg)
 

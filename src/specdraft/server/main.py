@@ -23,6 +23,7 @@ class ServeConfig:
     max_batch: int = 16
     max_queue: int = 256
     context: int | None = None
+    prefill_tokens: int = 512
     host: str = "127.0.0.1"
     port: int = 8000
     served_name: str | None = None
@@ -50,7 +51,8 @@ def build_state(cfg: ServeConfig, log=print):  # -> ServerState
     from specdraft.scheduler import Scheduler, SchedulerConfig
     from specdraft.server.app import ServerState
 
-    sched_cfg = SchedulerConfig(max_batch=cfg.max_batch, max_queue=cfg.max_queue, row_capacity=cfg.context)
+    sched_cfg = SchedulerConfig(max_batch=cfg.max_batch, max_queue=cfg.max_queue, row_capacity=cfg.context,
+                                prefill_tokens=cfg.prefill_tokens)
     t0 = time.perf_counter()
     loaded = load(cfg.model, dtype=cfg.dtype, device=cfg.device, batch_invariant=cfg.batch_invariant)
     engine = build_engine(loaded, cfg.method, k=cfg.k, policy=cfg.policy, options=dict(cfg.options))
