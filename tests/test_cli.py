@@ -93,3 +93,21 @@ def test_python_dash_m_specdraft_runs_the_command_line():
     done = subprocess.run([sys.executable, "-m", "specdraft", "methods"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "ngram:" in done.stdout and "suffix:" in done.stdout
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--max-batch", "0"], "--max-batch"),
+    (["--context", "1"], "--context"),
+    (["--port", "70000"], "--port"),
+    (["--model", "/nonexistent/model.gguf"], "not found"),
+    (["--method", "nosuch"], "nosuch"),
+])
+def test_serve_mistakes_exit_2_with_one_line(capsys, tiny_hf, extra, needle):
+    pytest.importorskip("fastapi")
+    argv = ["serve", "--model", str(tiny_hf), *extra]
+    if "--model" in extra:
+        argv = ["serve", *extra]
+    code, _, err = run(capsys, *argv)
+    assert code == 2
+    lines = [line for line in err.strip().splitlines() if line.startswith("specdraft: error:")]
+    assert len(lines) == 1 and needle in lines[0], err
