@@ -194,8 +194,7 @@ def cmd_train_medusa(args: argparse.Namespace) -> int:
                             batch_tokens=args.batch_tokens, seed=args.seed, limit=args.limit,
                             time_budget_s=args.time_budget)
     result = train_medusa(_teacher(args), args.data, args.out, cfg)
-    print(f"train medusa: {result.line()} -> {args.out}")
-    return 0
+    return _report("medusa", result, args.out)
 
 
 def cmd_train_head(args: argparse.Namespace) -> int:
@@ -209,8 +208,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
                            batch_tokens=args.batch_tokens, seed=args.seed, limit=args.limit,
                            references=args.references, time_budget_s=args.time_budget, init=args.init)
     result = train_eagle(_teacher(args), args.data, args.out, cfg, prompts_root=args.prompts, kind=args.kind)
-    print(f"train {args.kind}: {result.line()} -> {args.out}")
-    return 0
+    return _report(args.kind, result, args.out)
 
 
 def cmd_train_adapter(args: argparse.Namespace) -> int:
@@ -222,7 +220,15 @@ def cmd_train_adapter(args: argparse.Namespace) -> int:
     if not 1 <= cfg.exit_layer < loaded.config.num_layers:
         raise SpecdraftError(f"--exit-layer must be in 1..{loaded.config.num_layers - 1}, got {cfg.exit_layer}")
     result = train_adapter(loaded, args.data, args.out, cfg)
-    print(f"train layer-skip: {result.line()} -> {args.out}")
+    return _report("layer-skip", result, args.out)
+
+
+def _report(kind: str, result: "object", out: str) -> int:
+    """The held-out result of a finished training, or where an interrupted one stands."""
+    if getattr(result, "positions", 0) == 0:  # stopped by the time budget: nothing evaluated yet
+        print(f"train {kind}: stopped with a checkpoint in {out}; rerun the same command to resume")
+    else:
+        print(f"train {kind}: {result.line()} -> {out}")  # type: ignore[attr-defined]
     return 0
 
 
