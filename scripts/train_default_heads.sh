@@ -30,3 +30,9 @@ cp runs/mtp-main/config.json runs/mtp-main/model.safetensors "$WEIGHTS/mtp/"
   --epochs 2 --lr 1e-3 --heads 4
 mkdir -p "$WEIGHTS/medusa"
 cp runs/medusa-main/config.json runs/medusa-main/model.safetensors "$WEIGHTS/medusa/"
+
+# 5. the layer-skip early-exit adapter (Kangaroo: one attention layer after layer 4), the same data
+.venv/bin/specdraft train layer-skip --data "$DATA" --out runs/layer-skip-main --exit-layer 4 --limit 3940 \
+  --dtype bfloat16 --threads 2 --epochs 2 --lr 1e-3
+mkdir -p "$WEIGHTS/layer-skip"
+cp runs/layer-skip-main/config.json runs/layer-skip-main/model.safetensors "$WEIGHTS/layer-skip/"
