@@ -158,3 +158,17 @@ def test_observed_forwards_correct_the_measured_cost_curve():
     assert curve == sorted(curve)
     cost.observe(3, 1, 9.0)  # no measured curve for that batch: ignored
     assert 3 not in cost.observed
+
+
+def test_reset_memory_forgets_earlier_outputs_only_when_idle(tiny):
+    engine = build_engine(tiny, "suffix", k=4, policy="fixed")
+    scheduler = Scheduler(engine, SchedulerConfig(max_batch=2, row_capacity=96))
+    before = engine.proposer.snapshot()
+    scheduler.submit(prompts(tiny)[0], GenerationConfig(max_new_tokens=10, ignore_eos=True))
+    assert scheduler.reset_memory() is None  # a request is waiting: refused
+    scheduler.run_until_idle()
+    assert engine.proposer.snapshot() != before  # the suffix trie now holds the output
+    done = scheduler.reset_memory()
+    assert done is not None and not done.is_set()
+    scheduler.run_once()
+    assert done.is_set() and engine.proposer.snapshot() == before

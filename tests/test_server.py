@@ -116,7 +116,7 @@ def tiny_long(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(tiny_long: Path) -> Iterator[Server]:
     s = Server(tiny_long, "--method", "ngram", "--batch-invariant", "--max-batch", "8", "--max-queue", "128",
-               "--context", "4096")
+               "--context", "4096", "--allow-reset")
     yield s
     assert s.stop() == 0
 
@@ -234,6 +234,18 @@ def test_chat_errors_and_unknown_model(server: Server):
     assert status == 400
     status, answer = server.post("/v1/completions", {"model": "gpt-9", "prompt": "x"})
     assert status == 404 and answer["error"]["code"] == "model_not_found"
+
+
+def test_reset_memory_needs_the_flag_and_an_idle_server(server: Server, tiny_long: Path):
+    assert wait_for(lambda: server.metrics()["specdraft_running_requests"] == 0)
+    status, answer = server.post("/reset_memory", b"")
+    assert status == 200 and answer == {"reset": True}
+    plain = Server(tiny_long, "--context", "256")
+    try:
+        status, answer = plain.post("/reset_memory", b"")
+        assert status == 404 and "--allow-reset" in answer["error"]["message"]
+    finally:
+        assert plain.stop() == 0
 
 
 def wait_for(predicate, seconds: float = 20.0) -> bool:

@@ -188,6 +188,9 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
                    help="uvicorn's log level (default: warning)")
     g.add_argument("--shutdown-timeout", type=float, default=60.0,
                    help="on SIGTERM, seconds to let requests in flight finish (default: 60)")
+    g.add_argument("--allow-reset", action="store_true",
+                   help="enable POST /reset_memory, which makes an idle server forget what it learned from earlier "
+                        "requests (for benchmarks: `bench-serve` starts every cell from the same state)")
     srv.set_defaults(func=cmd_serve)
 
     bs = sub.add_parser("bench-serve", help="load-test the server: plain against speculative at several concurrencies",
@@ -226,7 +229,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       options=tuple(_options(args.opt).items()), dtype=args.dtype, device=args.device,
                       batch_invariant=args.batch_invariant, max_batch=args.max_batch, max_queue=args.max_queue,
                       context=args.context, prefill_tokens=args.prefill_tokens, host=args.host, port=args.port, served_name=args.served_model_name,
-                      log_level=args.log_level, shutdown_timeout=args.shutdown_timeout)
+                      log_level=args.log_level, shutdown_timeout=args.shutdown_timeout,
+                      allow_reset=args.allow_reset)
     return serve(cfg)
 
 

@@ -56,6 +56,26 @@ class Batch:
         return not any(self.live(r) for r in range(len(self.rows)))
 
 
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """What an engine has learned across requests (its policy's evidence, and the proposer's
+    memory where it has one: ``snapshot``/``restore``), so that a benchmark's repeats each start
+    from the same state: a repeat must not draft from the outputs of the round before it."""
+
+    policy: dict[str, object]
+    proposer: object | None
+
+    @classmethod
+    def of(cls, engine: "Engine") -> "Memory":
+        snap = getattr(engine.proposer, "snapshot", None)
+        return cls(engine.policy.snapshot(), snap() if snap is not None else None)
+
+    def restore(self, engine: "Engine") -> None:
+        engine.policy.restore(self.policy)
+        if self.proposer is not None:
+            engine.proposer.restore(self.proposer)  # type: ignore[attr-defined]
+
+
 @dataclass(slots=True)
 class GenerationResult:
     text: str

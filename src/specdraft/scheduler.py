@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from specdraft.batching import PREFILL_CHUNK
-from specdraft.engine import Batch, Engine, StreamEvent, joined_features
+from specdraft.engine import Batch, Engine, Memory, StreamEvent, joined_features
 from specdraft.errors import ContextOverflowError, SpecdraftError
 from specdraft.metrics import SpecStats
 from specdraft.model.kv_cache import KVCache
@@ -154,6 +154,8 @@ class Scheduler:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._next_id = 0
+        self._baseline = Memory.of(engine)  # what the engine knew before any request (reset_memory)
+        self._reset: threading.Event | None = None  # set once a requested reset is done
         cost = engine.policy.cost
         if cost is not None and not cost.batch_grid:
             cost.batch_grid = config.batch_grid
@@ -197,10 +199,24 @@ class Scheduler:
             request.cancelled = True
             self._wake.notify_all()
 
+    def reset_memory(self) -> threading.Event | None:
+        """Ask for the engine's learned state (policy evidence, a proposer's memory of earlier
+        outputs) to go back to what it was before the first request, as a benchmark's cells
+        each start (``Memory``). Only while idle: returns None when requests are in flight, else
+        an event set once the scheduler's thread has done it."""
+        with self._wake:
+            if self.waiting or self.busy:
+                return None
+            if self._reset is None:
+                self._reset = threading.Event()
+            done = self._reset
+            self._wake.notify_all()
+        return done
+
     def wait_for_work(self, timeout: float) -> None:
         """Block until a request is submitted or cancelled, or ``timeout`` seconds pass."""
         with self._wake:
-            if not self.waiting and not self.busy:
+            if not self.waiting and not self.busy and self._reset is None:
                 self._wake.wait(timeout)
 
     def load(self) -> tuple[int, int, int]:
@@ -216,6 +232,11 @@ class Scheduler:
     # -- the scheduler's thread -------------------------------------------------------------
     def run_once(self) -> bool:
         """One iteration (module doc). Returns whether any request is left."""
+        with self._lock:
+            reset, self._reset = self._reset, None
+        if reset is not None:
+            self._baseline.restore(self.engine)
+            reset.set()
         self._reap()
         self._admit()
         self._prefill()

@@ -32,7 +32,7 @@ from tqdm import tqdm
 from specdraft.api import build_engine
 from specdraft.bench.ceiling import copy_ceiling_tau, lookup_ceiling_tau
 from specdraft.bench.machine import machine_info
-from specdraft.engine import Engine
+from specdraft.engine import Engine, Memory
 from specdraft.errors import SpecdraftError
 from specdraft.metrics import SpecStats
 from specdraft.model.loader import LoadedModel, load
@@ -206,26 +206,6 @@ def run_config(engine: Engine, groups: list[list[Request]], gen: GenerationConfi
         outputs += [(r.tokens, res.tokens) for r, res in zip(group, results)]
     seconds = time.perf_counter() - t0
     return RunResult(seconds, sum(len(o) for _, o in outputs), stats, outputs)
-
-
-@dataclass(frozen=True, slots=True)
-class Memory:
-    """What an engine has learned across requests (its policy's evidence, and the proposer's
-    memory where it has one: ``snapshot``/``restore``), so that each timed repeat starts from
-    the same state: a repeat must not draft from the outputs of the round before it."""
-
-    policy: dict[str, object]
-    proposer: object | None
-
-    @classmethod
-    def of(cls, engine: Engine) -> "Memory":
-        snap = getattr(engine.proposer, "snapshot", None)
-        return cls(engine.policy.snapshot(), snap() if snap is not None else None)
-
-    def restore(self, engine: Engine) -> None:
-        engine.policy.restore(self.policy)
-        if self.proposer is not None:
-            engine.proposer.restore(self.proposer)  # type: ignore[attr-defined]
 
 
 def rounds(methods: Sequence[MethodSpec], repeats: int) -> list[list[MethodSpec]]:

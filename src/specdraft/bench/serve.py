@@ -4,7 +4,9 @@ OpenAI client.
 For each method a ``specdraft serve`` subprocess is started on a free loopback port (the same
 model, dtype and limits), warmed with one request, then each workload is sent at each
 concurrency: ``concurrency`` client threads, each sending its next streamed chat request as
-soon as the last one ended (a closed loop), ``requests`` requests per cell, greedy. Measured
+soon as the last one ended (a closed loop), ``requests`` requests per cell, greedy; before each
+cell the server forgets what it learned from earlier ones (``--allow-reset``: prompts repeat
+across cells, and suffix decoding would otherwise copy its own earlier answers). Measured
 per request on the client: time to first token (TTFT), the gaps between streamed chunks (ITL;
 a speculative chunk may hold several tokens, as in vLLM's serving benchmark), time per output
 token after the first (TPOT) and the tokens (the usage the server reports); per cell: output
@@ -155,6 +157,16 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
+def reset(url: str) -> None:
+    """Make an idle specdraft server forget its earlier requests (POST /reset_memory): a method
+    that remembers earlier outputs (suffix) must not draft a cell's answers from the same
+    prompts' answers in an earlier cell."""
+    req = urllib.request.Request(f"{url}/reset_memory", data=b"", method="POST")
+    with urllib.request.urlopen(req, timeout=60) as r:
+        if r.status != 200:
+            raise SpecdraftError(f"the server did not reset its memory (status {r.status})")
+
+
 def _metric(m: dict[str, float], prefix: str) -> float:
     return sum(v for k, v in m.items() if k.startswith(prefix))
 
@@ -194,6 +206,8 @@ def run_cell(url: str, model: str, engine: str, method: str, workload: str, mess
     import openai
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
+    if engine.startswith("specdraft"):
+        reset(url)  # the cell starts from what the server knew before any request (as `bench`'s repeats)
     before = scrape(url)
     lock = threading.Lock()
     next_index = [0]
@@ -247,7 +261,7 @@ def _specdraft_cmd(cfg: ServeBenchConfig, method: str, port: int) -> list[str]:
     name, _, opts = method.partition(":")
     cmd = [sys.executable, "-m", "specdraft", "serve", "--port", str(port), "--host", HOST, "--method", name,
            "--dtype", cfg.dtype, "--max-batch", str(max(cfg.concurrency)), "--max-queue", str(4 * max(cfg.concurrency)),
-           "--context", str(cfg.context), "--served-model-name", "bench"]
+           "--context", str(cfg.context), "--served-model-name", "bench", "--allow-reset"]
     for opt in filter(None, opts.split("+")):
         key, _, value = opt.partition("=")
         if key in ("k", "policy"):

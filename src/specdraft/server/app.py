@@ -39,6 +39,7 @@ class ServerState:
     method: str
     metrics: ServerMetrics = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
+    allow_reset: bool = False  # POST /reset_memory (benchmarks: each cell starts from the same state)
     stopping: threading.Event = field(default_factory=threading.Event)
     worker: threading.Thread | None = None
 
@@ -139,6 +140,19 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/reset_memory")
+    async def reset_memory() -> Response:
+        """Forget what the engine learned from earlier requests (``Scheduler.reset_memory``):
+        for benchmarks, enabled with ``--allow-reset``; only while no request is in flight."""
+        if not state.allow_reset:
+            return error_response(404, "resetting is not enabled on this server (--allow-reset)", code="not_found")
+        done = state.scheduler.reset_memory()
+        if done is None:
+            return error_response(409, "requests are in flight; reset only an idle server", kind="conflict")
+        if not await asyncio.to_thread(done.wait, 30):
+            return error_response(503, "the scheduler did not reset within 30 s", kind="server_error")
+        return JSONResponse({"reset": True})
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HttpRequest) -> Response:

@@ -29,6 +29,7 @@ class ServeConfig:
     served_name: str | None = None
     log_level: str = "warning"
     shutdown_timeout: float = 60.0
+    allow_reset: bool = False
 
 
 def _require_server_packages() -> None:
@@ -67,7 +68,7 @@ def build_state(cfg: ServeConfig, log=print):  # -> ServerState
             engine.policy.prepare(b)
         log(f"specdraft serve: measured in {time.perf_counter() - t0:.1f} s")
     name = cfg.served_name or loaded.source.name.removesuffix(".gguf")
-    return ServerState(scheduler, name, cfg.method)
+    return ServerState(scheduler, name, cfg.method, allow_reset=cfg.allow_reset)
 
 
 def serve(cfg: ServeConfig) -> int:
