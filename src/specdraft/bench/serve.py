@@ -281,7 +281,8 @@ def _llamacpp_cmd(cfg: ServeBenchConfig, gguf: Path, port: int) -> list[str]:
     threads = cfg.threads or os.cpu_count() or 1
     return [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", HOST, "--port", str(port),
             "--n_ctx", str(cfg.context), "--n_threads", str(threads), "--n_threads_batch", str(threads),
-            "--model_alias", "bench", "--verbose", "False"]
+            "--model_alias", "bench", "--verbose", "False",
+            "--interrupt_requests", "False"]  # (its default: a new request interrupts the one running)
 
 
 def llamacpp_unavailable() -> str | None:
