@@ -25,6 +25,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from specdraft.api import build_engine  # noqa: E402
+from specdraft.bench.serve import free_port, scrape  # noqa: E402
 from specdraft.model.loader import load  # noqa: E402
 from specdraft.sampling import Sampling  # noqa: E402
 from specdraft.sequence import GenerationConfig  # noqa: E402
@@ -34,12 +35,6 @@ HOST = "127.0.0.1"
 MODEL_ID = "tiny"
 PROMPTS = ["Hello there, how are", "The quick brown fox", "def add(a, b):\n    return", "Once upon a time",
            "She sells sea shells by", "for i in range(10):", "Numbers like 12345 and", "It was the best of"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -77,14 +72,7 @@ class Server:
         return self.log.read()[-3000:]
 
     def metrics(self) -> dict[str, float]:
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
-            text = r.read().decode()
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                out[name] = float(value)
-        return out
+        return scrape(self.url)
 
     def post(self, path: str, body: bytes | dict) -> tuple[int, dict]:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
