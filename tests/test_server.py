@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -25,7 +24,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from specdraft.api import build_engine  # noqa: E402
-from specdraft.bench.serve import free_port, scrape  # noqa: E402
+from specdraft.bench.serve import ServerProcess, free_port, scrape  # noqa: E402
 from specdraft.model.loader import load  # noqa: E402
 from specdraft.sampling import Sampling  # noqa: E402
 from specdraft.sequence import GenerationConfig  # noqa: E402
@@ -37,39 +36,18 @@ PROMPTS = ["Hello there, how are", "The quick brown fox", "def add(a, b):\n    r
            "She sells sea shells by", "for i in range(10):", "Numbers like 12345 and", "It was the best of"]
 
 
-class Server:
-    """``specdraft serve`` in a subprocess; stopped with SIGTERM, killed if it hangs."""
+class Server(ServerProcess):
+    """``specdraft serve`` in a subprocess (bench-serve's ``ServerProcess``: up once /health
+    answers; stopped with SIGTERM, killed if it hangs), with the tests' helpers."""
 
     def __init__(self, model: Path, *args: str) -> None:
-        self.port = free_port()
-        self.log = open(model.parent / f"server-{self.port}.log", "w+")
-        cmd = [sys.executable, "-m", "specdraft", "serve", "--model", str(model), "--port", str(self.port),
+        port = free_port()
+        cmd = [sys.executable, "-m", "specdraft", "serve", "--model", str(model), "--port", str(port),
                "--host", HOST, "--served-model-name", MODEL_ID, "--threads", "1", *args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.output()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"server did not start: {self.output()}")
-
-    @property
-    def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
+        super().__init__(cmd, port, f"test-{port}", model.parent)
 
     def client(self) -> "openai.OpenAI":
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120)
-
-    def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()[-3000:]
 
     def metrics(self) -> dict[str, float]:
         return scrape(self.url)
@@ -82,17 +60,6 @@ class Server:
                 return r.status, json.loads(r.read())
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read())
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self.log.close()
-        return self.proc.returncode
 
 
 @pytest.fixture(scope="module")

@@ -127,7 +127,8 @@ class ServerProcess:
     def url(self) -> str:
         return f"http://{HOST}:{self.port}"
 
-    def stop(self) -> None:
+    def stop(self) -> int:
+        """SIGTERM (a kill if it hangs); the exit status."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -137,6 +138,7 @@ class ServerProcess:
                 self.proc.wait(timeout=10)
         if not self.log.closed:
             self.log.close()
+        return self.proc.returncode
 
 
 def scrape(url: str) -> dict[str, float]:
