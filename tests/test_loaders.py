@@ -243,7 +243,7 @@ def test_load_options(tiny_gguf: Path) -> None:
     loaded = loader.load(str(tiny_gguf), dtype="bfloat16")
     assert loaded.model.dtype == torch.bfloat16
     assert loader.load(tiny_gguf, dtype=torch.float64).model.dtype == torch.float64
-    raises_one_line(SpecdraftError, lambda: loader.load(tiny_gguf, dtype="int4"), "int4")
+    raises_one_line(SpecdraftError, lambda: loader.load(tiny_gguf, dtype="int3"), "int3")
 
 
 # --------------------------------------------------------------------------- the default model

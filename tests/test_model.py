@@ -520,10 +520,13 @@ def long_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
                           kv_heads=1, max_position=1024)
 
 
-@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.fixture(scope="module", params=["float32", "bfloat16", "int4"])
 def invariant(request: pytest.FixtureRequest, long_tiny: Path) -> Transformer:
+    """int4: layer matrices quantized to 4 bits (the CPU int4 kernel), bfloat16 elsewhere."""
     config, weights = load_hf(long_tiny)
-    return build_transformer(config, weights, dtype=request.param, batch_invariant=True)
+    int4 = request.param == "int4"
+    dtype = torch.bfloat16 if int4 else getattr(torch, request.param)
+    return build_transformer(config, weights, dtype=dtype, batch_invariant=True, int4=int4)
 
 
 def _one_by_one(model: Transformer, prefix: torch.Tensor, tokens: list[int]) -> list[torch.Tensor]:

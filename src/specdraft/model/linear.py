@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specdraft.model.quant import Int4Packed, rows_invariant
+
 
 PACKED_FROM_ROWS = 4  # float32: the fewest rows (tokens in the product) that take the packed path
 
@@ -57,13 +59,18 @@ class Linear(nn.Linear):
         self.packed = None
         self._packed_key = None
         self.single_rows = False  # use the packed path for one row too (batch-invariant models)
+        self.int4: Int4Packed | None = None  # 4-bit weights (quant.py); ``weight`` then holds their dequantized values
+        self.int4_rows_alone = False  # one int4 call per row (batch-invariant, where the kernel is not)
 
     def _weight_key(self) -> tuple[int, int, torch.dtype]:
         return (self.weight.data_ptr(), self.weight._version, self.weight.dtype)
 
     def pack(self, single_rows: bool = False) -> None:
-        """Make the packed copy (CPU only; a no-op where oneDNN is missing)."""
+        """Make the packed copy (CPU only; a no-op where oneDNN is missing). With 4-bit weights
+        the packed copy (of their dequantized values) serves wide products only."""
         self.single_rows = single_rows
+        if self.int4 is not None:
+            self.int4_rows_alone = single_rows and not rows_invariant(self.int4)
         packable = self.weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
         if self.weight.device.type != "cpu" or not packable or not onednn_available():
             self.unpack()
@@ -81,11 +88,18 @@ class Linear(nn.Linear):
         clone.weight = copy.deepcopy(self.weight, memo)
         clone.bias = copy.deepcopy(self.bias, memo)
         clone.train(self.training)
+        clone.int4 = self.int4  # immutable: shared
+        clone.int4_rows_alone = self.int4_rows_alone
         if self.packed is not None:
             clone.pack(self.single_rows)
         return clone
 
-    def forward(self, x: Tensor) -> Tensor:  # x: [..., in] -> [..., out]
+    def forward(self, x: Tensor, wide: bool = False) -> Tensor:  # x: [..., in] -> [..., out]
+        """wide: a product with many rows (a prompt chunk), where the 4-bit kernel is slower
+        than the dense packed one (quant.py); ignored without 4-bit weights."""
+        if self.int4 is not None and not wide and x.device.type == "cpu" and not torch.is_grad_enabled():
+            out = self.int4.matmul(x, rows_alone=self.int4_rows_alone)  # [..., out]
+            return out if self.bias is None else out + self.bias
         if self.packed is not None and not torch.is_grad_enabled() and self._use_packed(x):
             if self._packed_key != self._weight_key():
                 self.pack(self.single_rows)

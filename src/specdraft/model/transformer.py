@@ -20,11 +20,15 @@ from specdraft.model.linear import Linear
 from specdraft.model.rope import apply_rope, rope_table
 
 
+WIDE_FROM_ROWS = 16  # 4-bit weights: products with this many rows use the dense path (quant.py)
+
+
 def numerics_version(batch_invariant: bool) -> int:
     """Bumped whenever a change alters the bits a forward computes for the same inputs (part of
     the key of `specdraft verify`'s cache of plain outputs). Batch-invariant 2: prompts attend
-    one call per row (`prompt_attention`); 3: one-row products run as two rows (`linear.py`)."""
-    return 3 if batch_invariant else 1
+    one call per row (`prompt_attention`); 3: one-row products run as two rows (`linear.py`);
+    4: a lone decoding token attends without the per-token wrapping (the same kernel call)."""
+    return 4 if batch_invariant else 1
 
 
 @dataclass(slots=True)
@@ -41,7 +45,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:  # x: [..., H]
-        if x.dtype == torch.float32:
+        if x.dtype in (torch.float32, torch.bfloat16) and x.dtype == self.weight.dtype:
+            # bfloat16: the kernel computes in float32 and rounds once, the same bits as the
+            # float32 route below (checked), with no conversions
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
 
@@ -62,23 +68,23 @@ class Block(nn.Module):
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache, layer: int,
-        plan: "KeyPlan | PromptRows | None" = None,
+        plan: "KeyPlan | PromptRows | None" = None, wide: bool = False,
     ) -> Tensor:
         """x: [B, T, H]; cos, sin: [B, T, 1, D]; mask: [B, 1, G*T, S] bool (True = attend) or None;
         plan: batch-invariant attention, per query (KeyPlan) or per prompt row (PromptRows);
-        None = one fused call."""
-        x = x + self.attention(self.attn_norm(x), cos, sin, mask, cache, layer, plan)
-        gate, up = self.w_gate_up(self.ffn_norm(x)).chunk(2, dim=-1)
-        return x + self.w_down(F.silu(gate) * up)
+        None = one fused call. wide: see ``Linear.forward``."""
+        x = x + self.attention(self.attn_norm(x), cos, sin, mask, cache, layer, plan, wide)
+        gate, up = self.w_gate_up(self.ffn_norm(x), wide).chunk(2, dim=-1)
+        return x + self.w_down(F.silu(gate) * up, wide)
 
     def attention(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache, layer: int,
-        plan: "KeyPlan | PromptRows | None" = None,
+        plan: "KeyPlan | PromptRows | None" = None, wide: bool = False,
     ) -> Tensor:
         c = self.c
         b, t, _ = x.shape
         hq, hkv = c.num_heads, c.num_kv_heads
-        qkv = self.wqkv(x).view(b, t, hq + 2 * hkv, c.head_dim)  # [B, T, Hq + 2 Hkv, D]
+        qkv = self.wqkv(x, wide).view(b, t, hq + 2 * hkv, c.head_dim)  # [B, T, Hq + 2 Hkv, D]
         qk = apply_rope(qkv[:, :, : hq + hkv], cos, sin)  # [B, T, Hq + Hkv, D], one call for q and k
         q = qk[:, :, :hq].transpose(1, 2)  # [B, Hq, T, D]
         k = qk[:, :, hq:].transpose(1, 2)  # [B, Hkv, T, D]
@@ -90,7 +96,7 @@ class Block(nn.Module):
             out = prompt_attention(q, keys, values, plan, c.group_size)  # [B, Hq, T, D]
         else:
             out = invariant_attention(q, keys, values, plan, c.group_size)  # [B, Hq, T, D]
-        return self.wo(out.transpose(1, 2).reshape(b, t, hq * c.head_dim))
+        return self.wo(out.transpose(1, 2).reshape(b, t, hq * c.head_dim), wide)
 
 
 def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, group: int) -> Tensor:
@@ -121,6 +127,9 @@ def invariant_attention(q: Tensor, k: Tensor, v: Tensor, plan: KeyPlan, group: i
     q: [B, Hq, T, D]; k, v: [B, Hkv, S, D]. Returns [B, Hq, T, D]."""
     b_, hq, t_, d = q.shape
     hkv = k.shape[1]
+    if b_ == 1 and t_ == 1 and plan[0][0] == k.shape[2]:  # one decoding token: the same call, unwrapped
+        qt = q.reshape(1, hkv, group, d).contiguous()  # [1, Hkv, G, D]
+        return F.scaled_dot_product_attention(qt, k, v).view(1, hq, 1, d)
     by_token = q.transpose(1, 2).contiguous()  # [B, T, Hq, D]: each token's heads contiguous
     outs = []
     for b, row in enumerate(plan):
@@ -276,8 +285,12 @@ class Transformer(nn.Module):
         sin = self.rope_sin[positions].unsqueeze(2).to(self.dtype)  # [B, T, 1, D], sign folded in
         x = self.embed(tokens)  # [B, T, H]
         hidden = {0: x} if 0 in return_hidden else {}
+        # 4-bit weights: prompt chunks (never compared with one-token steps, see prompt_attention)
+        # and, where exactness across row counts is not promised, any wide product take the
+        # dense packed path
+        wide = prompt is not None or (not self.batch_invariant and b * t >= WIDE_FROM_ROWS)
         for i in ids:
-            x = self.layers[i](x, cos, sin, full_mask, cache, i, plan)
+            x = self.layers[i](x, cos, sin, full_mask, cache, i, plan, wide)
             if i + 1 in return_hidden:
                 hidden[i + 1] = x
         cache.advance(t)
