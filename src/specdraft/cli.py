@@ -7,6 +7,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from specdraft.bench.runtime import MODES as RUNTIME_MODES
 from specdraft.errors import SpecdraftError
 
 
@@ -149,19 +150,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_commands(sub, _add_model_options)
 
     bench = sub.add_parser("bench-runtime", help="benchmark the model runtime (plain decoding, verification cost)",
-                           description="Plain decode tokens/s at batch 1 and 8 next to Hugging Face "
-                                       "transformers on the same weights, and forward latency against the "
-                                       "number of new tokens (the verification cost curve), in float32 and "
-                                       "bfloat16. Prints tables and writes JSON.")
+                           description="Plain greedy decoding in every numeric mode (float32, bfloat16, int4; "
+                                       "with and without --batch-invariant) beside llama.cpp (llama-cpp-python, "
+                                       "same GGUF) and Hugging Face transformers on the same prompts and token "
+                                       "counts; each mode's verification cost curve (ms per forward against the "
+                                       "new tokens q), where a decode step's time goes, and peak memory. Each "
+                                       "mode runs in a process of its own. Writes runtime.json, report.md and "
+                                       "plots.")
     bench.add_argument("--out", default="runs/runtime", help="output folder (default: runs/runtime)")
-    bench.add_argument("--new-tokens", type=int, default=64, help="tokens generated per decode run (default: 64)")
+    bench.add_argument("--modes", default=",".join(RUNTIME_MODES),
+                       help=f"comma-separated numeric modes (default: {','.join(RUNTIME_MODES)}; -bi = batch-invariant)")
+    bench.add_argument("--peers", default="llamacpp,transformers",
+                       help="comma-separated peers, or '' for none (default: llamacpp,transformers; a missing "
+                            "package is skipped with a note)")
+    bench.add_argument("--new-tokens", type=int, default=128, help="tokens generated per row (default: 128)")
+    bench.add_argument("--prompts", type=int, default=3, help="chat prompts decoded at batch 1 (default: 3)")
     bench.add_argument("--repeats", type=int, default=3, help="timed repeats, median reported (default: 3)")
     bench.add_argument("--batch-sizes", default="1,8", help="comma-separated decode batch sizes (default: 1,8)")
     bench.add_argument("--q", default="1,2,4,8,16,32,64", help="new tokens per forward for the cost curve")
-    bench.add_argument("--dtypes", default="float32,bfloat16", help="dtypes for the cost curve and decoding")
-    bench.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    bench.add_argument("--no-profile", action="store_true", help="skip the per-mode profile of a decode step")
     bench.add_argument("--model", default=None, metavar="PATH", help="model (default: the embedded one)")
-    bench.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    bench.add_argument("--threads", type=int, default=None, help="CPU threads for torch and llama.cpp")
     bench.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     bench.set_defaults(func=cmd_bench_runtime)
     return parser
@@ -448,16 +457,21 @@ def cmd_bench_runtime(args: argparse.Namespace) -> int:
     from specdraft.bench.runtime import RuntimeBenchConfig, run_runtime_bench
 
     _set_threads(args.threads)
+    if args.new_tokens < 2 or args.prompts < 1 or args.repeats < 1:
+        raise SpecdraftError("--new-tokens must be >= 2, --prompts and --repeats >= 1")
     cfg = RuntimeBenchConfig(
         model=args.model,
         out=args.out,
         new_tokens=args.new_tokens,
+        prompts=args.prompts,
         repeats=args.repeats,
         batch_sizes=_int_list(args.batch_sizes, "--batch-sizes"),
         q_values=_int_list(args.q, "--q"),
-        dtypes=tuple(d.strip() for d in args.dtypes.split(",") if d.strip()),
-        transformers_baseline=not args.no_transformers,
+        modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
+        peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()),
+        profile=not args.no_profile,
         device=args.device,
+        threads=args.threads,
     )
     run_runtime_bench(cfg)
     return 0

@@ -1,19 +1,16 @@
 """Linear layers with an optional oneDNN-packed copy of the weight for CPU inference.
 
-On the CPU, PyTorch's default float32 matrix product is slow for the larger row counts that
-verification produces (4-32 new tokens): without packing a forward of the default model over
-9 tokens costs about 2x one over 1 token, although both are memory-bound. oneDNN with a
-pre-packed (blocked) weight is much faster there, and in bfloat16 it is faster for every row
-count. But for 1-3 rows the default path is the faster one: measured on the default model
-(2-core CPU, float32, batch 1; ms per forward over 1/2/3/5/9 tokens), packed from 2 rows:
-34/40/41/41/46; packed from 4 rows: 30/31/33/40/47; never packed: 30/32/33/50/68. So, on the
-CPU:
+On the CPU, PyTorch's default float32 matrix product is slow for the row counts that
+decoding and verification produce: on a 2-core AMD EPYC (Zen 5) a float32 forward of the
+default model over 1 token costs 58 ms on the default path and 36 ms with oneDNN and a
+pre-packed (blocked) weight; over 9 tokens the default path costs about 2x more than packed.
+(On an Intel Xeon the default path was ~10% faster for 1-3 rows, which an earlier rule used;
+the Zen 5 numbers decided for one rule everywhere.) In bfloat16 the packed path is faster for
+every row count and bit-identical to the default one (measured). So, on the CPU, every
+product takes the packed path (``PACKED_FROM_ROWS`` = 1).
 
-- float32: fewer than ``PACKED_FROM_ROWS`` (4) rows -> the default path; more -> packed;
-- bfloat16 / float16: always packed (bit-identical to the default path, measured).
-
-(The default path with 2-3 rows differs from its 1-row result by ~2e-5 at most, the packed
-path by ~1e-4: neither is bitwise batch-invariant, see below.)
+(The packed path with 2-3 rows differs from its 1-row result by ~1e-4 in float32: it is not
+bitwise batch-invariant, see below.)
 
 A batch-invariant model packs with ``single_rows=True``: one row then takes the packed path
 too, so that a row's result never depends on how many rows share the product. oneDNN's packed
@@ -39,7 +36,7 @@ from torch import Tensor, nn
 from specdraft.model.quant import Int4Packed, rows_invariant
 
 
-PACKED_FROM_ROWS = 4  # float32: the fewest rows (tokens in the product) that take the packed path
+PACKED_FROM_ROWS = 1  # float32: the fewest rows (tokens in the product) that take the packed path
 
 
 def onednn_available() -> bool:
@@ -97,8 +94,9 @@ class Linear(nn.Linear):
     def forward(self, x: Tensor, wide: bool = False) -> Tensor:  # x: [..., in] -> [..., out]
         """wide: a product with many rows (a prompt chunk), where the 4-bit kernel is slower
         than the dense packed one (quant.py); ignored without 4-bit weights."""
-        if self.int4 is not None and not wide and x.device.type == "cpu" and not torch.is_grad_enabled():
-            out = self.int4.matmul(x, rows_alone=self.int4_rows_alone)  # [..., out]
+        int4 = self.int4
+        if int4 is not None and not wide and x.is_cpu and not torch.is_grad_enabled():
+            out = int4.matmul(x, self.int4_rows_alone)  # [..., out]
             return out if self.bias is None else out + self.bias
         if self.packed is not None and not torch.is_grad_enabled() and self._use_packed(x):
             if self._packed_key != self._weight_key():

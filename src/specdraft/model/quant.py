@@ -31,6 +31,7 @@ GROUP = 32  # inputs per (scale, zero) pair: GGUF's block size
 _Q4_0_BYTES = 18  # fp16 d, 16 bytes of nibbles
 _Q4_1_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
 INT4_FORMATS = ("Q4_0", "Q4_1")  # GGUF tensor types read without dequantizing
+_INT4_MM = getattr(getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None), "default", None)
 
 
 def int4_kernel_available() -> bool:
@@ -120,11 +121,11 @@ class Int4Packed:
         if rows_alone and flat.shape[0] > 1:
             out = torch.cat([self._mm(flat[i : i + 1]) for i in range(flat.shape[0])])  # [M, N]
         else:
-            out = self._mm(flat)  # [M, N]
+            out = _INT4_MM(flat, self.packed, GROUP, self.scales_zeros)  # [M, N]
         return out.view(*x.shape[:-1], self.out_features)
 
     def _mm(self, flat: Tensor) -> Tensor:  # [M, K] -> [M, N]
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
+        return _INT4_MM(flat, self.packed, GROUP, self.scales_zeros)
 
     @property
     def nbytes(self) -> int:

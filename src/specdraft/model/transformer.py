@@ -8,12 +8,14 @@ nothing is stored on the modules between calls except the weights and the RoPE t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdraft.errors import ContextOverflowError
+from specdraft.model import fastpath
 from specdraft.model.config import ModelConfig
 from specdraft.model.kv_cache import KVCache
 from specdraft.model.linear import Linear
@@ -27,8 +29,9 @@ def numerics_version(batch_invariant: bool) -> int:
     """Bumped whenever a change alters the bits a forward computes for the same inputs (part of
     the key of `specdraft verify`'s cache of plain outputs). Batch-invariant 2: prompts attend
     one call per row (`prompt_attention`); 3: one-row products run as two rows (`linear.py`);
-    4: a lone decoding token attends without the per-token wrapping (the same kernel call)."""
-    return 4 if batch_invariant else 1
+    4: a lone decoding token attends without the per-token wrapping (the same kernel call).
+    Otherwise 2: float32 products of 1-3 rows take the packed path too (``linear.py``)."""
+    return 4 if batch_invariant else 2
 
 
 @dataclass(slots=True)
@@ -73,9 +76,11 @@ class Block(nn.Module):
         """x: [B, T, H]; cos, sin: [B, T, 1, D]; mask: [B, 1, G*T, S] bool (True = attend) or None;
         plan: batch-invariant attention, per query (KeyPlan) or per prompt row (PromptRows);
         None = one fused call. wide: see ``Linear.forward``."""
-        x = x + self.attention(self.attn_norm(x), cos, sin, mask, cache, layer, plan, wide)
-        gate, up = self.w_gate_up(self.ffn_norm(x), wide).chunk(2, dim=-1)
-        return x + self.w_down(F.silu(gate) * up, wide)
+        # (submodules' forward called directly: they have no hooks, and a decode step makes
+        # 210 of these calls, where nn.Module.__call__ alone would cost ~0.5 ms)
+        x = x + self.attention(self.attn_norm.forward(x), cos, sin, mask, cache, layer, plan, wide)
+        gate, up = self.w_gate_up.forward(self.ffn_norm.forward(x), wide).chunk(2, dim=-1)
+        return x + self.w_down.forward(F.silu(gate) * up, wide)
 
     def attention(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache, layer: int,
@@ -84,7 +89,7 @@ class Block(nn.Module):
         c = self.c
         b, t, _ = x.shape
         hq, hkv = c.num_heads, c.num_kv_heads
-        qkv = self.wqkv(x, wide).view(b, t, hq + 2 * hkv, c.head_dim)  # [B, T, Hq + 2 Hkv, D]
+        qkv = self.wqkv.forward(x, wide).view(b, t, hq + 2 * hkv, c.head_dim)  # [B, T, Hq + 2 Hkv, D]
         qk = apply_rope(qkv[:, :, : hq + hkv], cos, sin)  # [B, T, Hq + Hkv, D], one call for q and k
         q = qk[:, :, :hq].transpose(1, 2)  # [B, Hq, T, D]
         k = qk[:, :, hq:].transpose(1, 2)  # [B, Hkv, T, D]
@@ -96,7 +101,7 @@ class Block(nn.Module):
             out = prompt_attention(q, keys, values, plan, c.group_size)  # [B, Hq, T, D]
         else:
             out = invariant_attention(q, keys, values, plan, c.group_size)  # [B, Hq, T, D]
-        return self.wo(out.transpose(1, 2).reshape(b, t, hq * c.head_dim), wide)
+        return self.wo.forward(out.transpose(1, 2).reshape(b, t, hq * c.head_dim), wide)
 
 
 def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, group: int) -> Tensor:
@@ -202,6 +207,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.batch_invariant = batch_invariant
+        self.fast_path = True  # run the layers from C++ where that applies (fastpath.py); False: Python
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -213,7 +219,9 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)  # [S, D]
 
     def pack_weights(self, enable: bool = True) -> None:
-        """Make (or drop) the oneDNN-packed weight copies used for CPU inference."""
+        """Make (or drop) the oneDNN-packed weight copies used for CPU inference (and forget the
+        C++ layer loop's capture of the weights: call this after changing weights in place)."""
+        fastpath.drop(self)
         for m in self.modules():
             if isinstance(m, Linear):
                 m.pack(single_rows=self.batch_invariant) if enable else m.unpack()
@@ -289,13 +297,30 @@ class Transformer(nn.Module):
         # and, where exactness across row counts is not promised, any wide product take the
         # dense packed path
         wide = prompt is not None or (not self.batch_invariant and b * t >= WIDE_FROM_ROWS)
-        for i in ids:
-            x = self.layers[i](x, cos, sin, full_mask, cache, i, plan, wide)
-            if i + 1 in return_hidden:
-                hidden[i + 1] = x
+        fast = self._fast_layers(plan)
+        if fast is not None:  # the same calls from C++ (fastpath.py)
+            counts = [] if plan is None else [n for row in plan for n in row]
+            hit = [i + 1 for i in ids if i + 1 in return_hidden]  # layer outputs to return, in run order
+            x, *taps = fast.forward(x, cos, sin, cache.k, cache.v, list(cache.lengths), full_mask, counts, list(ids),
+                                    hit, wide)
+            hidden.update(zip(hit, taps))
+        else:
+            for i in ids:
+                x = self.layers[i](x, cos, sin, full_mask, cache, i, plan, wide)
+                if i + 1 in return_hidden:
+                    hidden[i + 1] = x
         cache.advance(t)
         x = self.norm(x)
         return ModelOutput(logits=self.lm_logits(x) if logits else None, last_hidden=x, hidden=hidden)
+
+    def _fast_layers(self, plan: "KeyPlan | PromptRows | None") -> Any:
+        """The C++ layer loop where it applies (fastpath.py), else None: CPU inference with a
+        fused attention call or a plan of key counts (prompt rows and tree plans run here)."""
+        if not self.fast_path or torch.is_grad_enabled() or self.device.type != "cpu":
+            return None
+        if isinstance(plan, PromptRows) or (plan is not None and not all(isinstance(n, int) for r in plan for n in r)):
+            return None
+        return fastpath.layers_for(self)
 
     def _layer_ids(self, num_layers: int | None, layers: tuple[int, ...] | None) -> range | tuple[int, ...]:
         total = self.config.num_layers

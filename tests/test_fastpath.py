@@ -1,0 +1,119 @@
+"""The C++ layer loop (``fastpath.py``) computes exactly what the Python loop computes, in
+every numeric mode, for every shape of forward it takes; what it does not take runs in Python."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdraft.model import fastpath
+from specdraft.model.load_hf import load_hf
+from specdraft.model.loader import build_transformer
+from specdraft.model.transformer import Transformer
+from tiny_models import write_hf_model
+
+MODES = ["float32", "bfloat16", "bfloat16-bi", "int4", "int4-bi"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_hf_model(tmp_path_factory.mktemp("fast") / "tiny", "llama", seed=3, hidden=128, heads=4, kv_heads=2,
+                          intermediate=256, layers=3, max_position=512)
+
+
+@pytest.fixture(scope="module", params=MODES)
+def model(request: pytest.FixtureRequest, folder: Path) -> Transformer:
+    config, weights = load_hf(folder)
+    dtype, invariant = request.param.removesuffix("-bi"), request.param.endswith("-bi")
+    m = build_transformer(config, weights, dtype=torch.float32 if dtype == "float32" else torch.bfloat16,
+                          batch_invariant=invariant, int4=dtype == "int4")
+    if fastpath.layers_for(m) is None:
+        pytest.skip(f"the C++ layer loop is unavailable here ({fastpath._state['failed']})")
+    return m
+
+
+def _both(model: Transformer, cache_rows: int, run) -> list[list[torch.Tensor]]:  # type: ignore[no-untyped-def]
+    """Run ``run(cache)`` from the same starting cache with the C++ loop and with Python; return
+    each run's tensors (outputs and the cache)."""
+    v = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for fast in (True, False):
+        model.fast_path = fast
+        cache = model.new_cache(cache_rows, 128)
+        prefix = torch.randint(3, v, (cache_rows, 40), generator=gen)
+        with torch.inference_mode():
+            model(prefix, torch.arange(40).expand(cache_rows, 40), cache, prompt=[40] * cache_rows)
+            results.append(run(cache) + [cache.k[:, :, :, :60].clone(), cache.v[:, :, :, :60].clone()])
+        gen.manual_seed(0)
+    model.fast_path = True
+    return results
+
+
+def _same(results: list[list[torch.Tensor]]) -> None:
+    fast, slow = results
+    assert len(fast) == len(slow)
+    for i, (a, b) in enumerate(zip(fast, slow)):
+        assert torch.equal(a, b), f"tensor {i} differs: max {float((a.float() - b.float()).abs().max())}"
+
+
+def test_one_token_steps(model: Transformer) -> None:
+    def run(cache):  # type: ignore[no-untyped-def]
+        outs = []
+        for i in range(4):
+            out = model(torch.tensor([[5 + i]]), torch.tensor([[40 + i]]), cache, return_hidden=(1, 3))
+            outs += [out.logits, out.hidden[1], out.hidden[3]]
+        return outs
+    _same(_both(model, 1, run))
+
+
+def test_chains_and_ragged_batches(model: Transformer) -> None:
+    def run(cache):  # type: ignore[no-untyped-def]
+        cache.truncate([40, 33, 37])
+        tokens = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14], [3, 4, 5, 6, 7]])
+        positions = torch.tensor([[40], [33], [37]]) + torch.arange(5)
+        out = model(tokens, positions, cache, return_hidden=(2,))
+        cache.truncate([42, 35, 38])
+        step = model(torch.tensor([[1], [2], [3]]), torch.tensor([[42], [35], [38]]), cache)
+        return [out.logits, out.hidden[2], step.logits]
+    _same(_both(model, 3, run))
+
+
+def test_layer_subsets_and_taps(model: Transformer) -> None:
+    def run(cache):  # type: ignore[no-untyped-def]
+        early = model(torch.tensor([[7, 8]]), torch.tensor([[40, 41]]), cache, num_layers=2, return_hidden=(0, 2))
+        cache.truncate(40)
+        skip = model(torch.tensor([[7]]), torch.tensor([[40]]), cache, layers=(0, 2), return_hidden=(1, 3))
+        return [early.logits, early.hidden[0], early.hidden[2], skip.logits, skip.hidden[1], skip.hidden[3]]
+    _same(_both(model, 1, run))
+
+
+def test_tree_masks_run_in_python_and_agree(model: Transformer) -> None:
+    """A tree (non-batch-invariant: one masked attention call, which the C++ loop takes;
+    batch-invariant: index plans, which run in Python) gives the same bits either way."""
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)[None]
+
+    def run(cache):  # type: ignore[no-untyped-def]
+        out = model(torch.tensor([[5, 6, 7, 8]]), torch.tensor([[40, 41, 41, 42]]), cache, mask=mask)
+        return [out.logits]
+    _same(_both(model, 1, run))
+
+
+def test_off_switch(monkeypatch: pytest.MonkeyPatch, model: Transformer) -> None:
+    monkeypatch.setenv("SPECDRAFT_FASTPATH", "0")
+    assert fastpath.layers_for(model) is None
+    monkeypatch.delenv("SPECDRAFT_FASTPATH")
+    assert fastpath.layers_for(model) is not None
+
+
+def test_a_cast_model_is_captured_again(folder: Path) -> None:
+    config, weights = load_hf(folder)
+    m = build_transformer(config, weights)
+    first = fastpath.layers_for(m)
+    if first is None:
+        pytest.skip("the C++ layer loop is unavailable here")
+    assert fastpath.layers_for(m) is first
+    m.to(torch.bfloat16).pack_weights()
+    assert fastpath.layers_for(m) is not first
