@@ -120,7 +120,7 @@ def cost_curve(model: Any, q_values: tuple[int, ...], prefix_tokens: int, repeat
             model(tokens, positions, cache)
             cache.truncate(prefix_tokens)
 
-        out[q] = 1000 * _median_time(step, max(repeats, 5))
+        out[q] = 1000 * _median_time(step, max(5 * repeats, 15))
     return out
 
 
@@ -154,6 +154,7 @@ def ours_decode(loaded: Any, batch: int, cfg: RuntimeBenchConfig) -> dict[str, A
 
 def measure_mode(mode: str, cfg: RuntimeBenchConfig) -> dict[str, Any]:
     from specdraft.bench.profile import profile_decode
+    from specdraft.model import fastpath
     from specdraft.model.loader import load, set_threads
 
     set_threads(cfg.threads)
@@ -163,6 +164,7 @@ def measure_mode(mode: str, cfg: RuntimeBenchConfig) -> dict[str, Any]:
     row: dict[str, Any] = {"mode": mode, "guarantee": EXACT[mode], "load_s": time.perf_counter() - t0,
                            "rss_after_load_mb": _peak_rss_mb(), **weight_bytes(loaded.model),
                            "source": str(loaded.source), "threads": torch.get_num_threads()}
+    row["cpp_loop"] = fastpath.status()
     row["cost_curve"] = cost_curve(loaded.model, cfg.q_values, cfg.prefix_tokens, cfg.repeats)
     row["decode"] = [ours_decode(loaded, b, cfg) for b in cfg.batch_sizes]
     if cfg.profile and cfg.device == "cpu":
@@ -185,12 +187,12 @@ def llamacpp_decode(cfg: RuntimeBenchConfig) -> dict[str, Any]:
                                              "(bash scripts/setup.sh --peers builds it, ~4 minutes)"}
     from llama_cpp import Llama
 
-    from specdraft.model.loader import default_model_path, load
+    from specdraft.model.loader import default_model_path, load_tokenizer
 
     source = Path(cfg.model) if cfg.model else default_model_path()
     if source.suffix != ".gguf":
         return {"peer": "llama.cpp", "note": "skipped: llama.cpp needs a GGUF file"}
-    prompts = chat_prompts(load(source).tokenizer, cfg.prompts)
+    prompts = chat_prompts(load_tokenizer(source), cfg.prompts)
     threads = cfg.threads or torch.get_num_threads()
     llm = Llama(model_path=str(source), n_ctx=max(len(p) for p in prompts) + cfg.new_tokens + 8, n_threads=threads,
                 n_threads_batch=threads, verbose=False)
@@ -224,11 +226,11 @@ def transformers_decode(cfg: RuntimeBenchConfig, dtype: str) -> dict[str, Any]:
             return {"peer": name, "note": f"skipped: {pkg} is not installed (pip install 'specdraft[test]')"}
     from transformers import AutoModelForCausalLM
 
-    from specdraft.model.loader import default_model_path, load, set_threads
+    from specdraft.model.loader import default_model_path, load_tokenizer, set_threads
 
     set_threads(cfg.threads)
     source = Path(cfg.model) if cfg.model else default_model_path()
-    tokenizer = load(source).tokenizer
+    tokenizer = load_tokenizer(source)
     torch_dtype = getattr(torch, dtype)
     if source.is_dir():
         hf = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch_dtype)
@@ -260,7 +262,20 @@ def transformers_decode(cfg: RuntimeBenchConfig, dtype: str) -> dict[str, Any]:
     return {"peer": name, "version": transformers.__version__, "decode": rows, "peak_rss_mb": _peak_rss_mb()}
 
 
+def cpp_build(folder: str) -> dict[str, Any]:
+    """Build (or load, when ``folder`` already holds it) the C++ layer loop; its timing."""
+    import os
+
+    os.environ["TORCH_EXTENSIONS_DIR"] = folder
+    from specdraft.model import fastpath
+
+    fastpath.extension()
+    return fastpath.status()
+
+
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    if job["kind"] == "build":
+        return cpp_build(job["folder"])
     cfg = RuntimeBenchConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in job["config"].items()})
     if job["kind"] == "mode":
         return measure_mode(job["mode"], cfg)
@@ -294,6 +309,8 @@ def run_runtime_bench(cfg: RuntimeBenchConfig) -> dict[str, Any]:
     set_threads(cfg.threads)
     results: dict[str, Any] = {"config": asdict(cfg), "machine": machine_info(cfg.device), "modes": [],
                                "peers": [], "cost_curve": {}}
+    if cfg.device == "cpu":
+        results["cpp_loop_build"] = build_times()
     jobs: list[tuple[str, dict[str, Any]]] = [(m, {"kind": "mode", "mode": m}) for m in cfg.modes]
     if "llamacpp" in cfg.peers:
         jobs.append(("llama.cpp", {"kind": "llamacpp"}))
@@ -319,6 +336,19 @@ def run_runtime_bench(cfg: RuntimeBenchConfig) -> dict[str, Any]:
     print(console_summary(results))
     print(f"\nwrote {out / 'runtime.json'} and {out / 'report.md'}")
     return results
+
+
+def build_times() -> dict[str, Any]:
+    """The C++ layer loop's first build (in an empty folder) and a later load from that cache."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="specdraft-build-") as folder:
+        print("C++ layer loop: building in an empty folder, then loading it again ...", flush=True)
+        first = in_child({"kind": "build", "folder": folder}, "build")
+        cached = in_child({"kind": "build", "folder": folder}, "build")
+    print(f"   first build {first.get('seconds', float('nan')):.1f} s, cached load "
+          f"{cached.get('seconds', float('nan')):.2f} s", flush=True)
+    return {"first": first, "cached": cached}
 
 
 def _one_line(row: dict[str, Any]) -> str:

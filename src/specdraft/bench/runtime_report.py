@@ -102,6 +102,20 @@ def memory_table(results: dict[str, Any]) -> str:
                          "peak RSS MB", "load s"], rows)
 
 
+def build_line(results: dict[str, Any]) -> str:
+    b = results.get("cpp_loop_build")
+    if not b:
+        return "Not measured."
+    first, cached = b.get("first", {}), b.get("cached", {})
+    if not first.get("available"):
+        return f"Unavailable on this machine ({first.get('failed') or first.get('note')}): every mode ran the Python loop."
+    used = [m["mode"] for m in results["modes"] if m.get("cpp_loop", {}).get("available")]
+    return (f"`model/csrc/decode.cpp` (the layers' ATen calls without the interpreter, bit-identical to the Python "
+            f"loop): first build {first['seconds']:.1f} s (torch's tool chain, cached under ~/.cache/torch_extensions), "
+            f"later loads {cached['seconds']:.2f} s. Used by: {', '.join(used) or 'none'}. `SPECDRAFT_FASTPATH=0` "
+            "runs the Python loop.")
+
+
 def goals_table(results: dict[str, Any]) -> str:
     rows = [[g["goal"], g["detail"], g["value"] if g["value"] is not None else "-",
              "met" if g["met"] else "not met"] for g in goals(results)]
@@ -145,6 +159,10 @@ def write_report(results: dict[str, Any], folder: Path) -> Path:
         "## Memory",
         "",
         memory_table(results),
+        "",
+        "## The C++ layer loop",
+        "",
+        build_line(results),
         "",
         "Modes: `float32`, `bfloat16` (dequantized weights), `int4` (the GGUF's Q4_0/Q4_1 layer matrices at 4 "
         "bits, torch's CPU int4 kernel, bfloat16 activations; the Q8_0 embedding / LM head dequantized to "

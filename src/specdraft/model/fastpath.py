@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import time
 import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from specdraft.model.transformer import Transformer
 
 SOURCE = Path(__file__).with_name("csrc") / "decode.cpp"
-_state: dict[str, Any] = {"module": None, "failed": None}
+_state: dict[str, Any] = {"module": None, "failed": None, "seconds": None, "compiled": None}
 # model -> (weights key, its C++ layers or None where they do not apply)
 _layers: "weakref.WeakKeyDictionary[Transformer, tuple[tuple[Any, ...], Any]]" = weakref.WeakKeyDictionary()
 
@@ -52,15 +53,25 @@ def extension() -> Any | None:
         digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
         name = f"specdraft_decode_{digest}"
         build = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
-        if not any(build.glob(f"*/{name}/{name}*.so")):
+        compiled = not any(build.glob(f"{name}/{name}*.so")) and not any(build.glob(f"*/{name}/{name}*.so"))
+        if compiled:
             print("specdraft: building the C++ decode loop (first use only, about 30 s)...", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
         _state["module"] = load(name=name, sources=[str(SOURCE)], extra_cflags=["-O2"], verbose=False)
+        _state.update(seconds=time.perf_counter() - t0, compiled=compiled)
     except Exception as e:  # no compiler, no headers, a torch without the tool chain: run Python
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         _state["failed"] = reason
         print(f"specdraft: warning: C++ decode loop unavailable ({reason[:160]}); using the Python loop",
               file=sys.stderr, flush=True)
     return _state["module"]
+
+
+def status() -> dict[str, Any]:
+    """Whether the extension is in use, and how long building or loading it took."""
+    extension()
+    return {"available": _state["module"] is not None, "failed": _state["failed"], "seconds": _state["seconds"],
+            "compiled": _state["compiled"], "enabled": enabled()}
 
 
 def _linear_parts(lin: Linear) -> list[Tensor | None]:

@@ -116,6 +116,20 @@ def load(
     return LoadedModel(model=model, tokenizer=tokenizer, source=source)
 
 
+def load_tokenizer(path: str | Path | None = None) -> "Tokenizer":
+    """The tokenizer alone (no weights read): the default model's, a GGUF file's or a folder's."""
+    from specdraft.model.tokenizer import Tokenizer
+
+    source = default_model_path() if path is None else Path(path).expanduser()
+    if source.is_dir():
+        return Tokenizer.from_hf_folder(source)
+    if not source.exists():
+        raise ModelFileError(f"model not found: {source} (give a .gguf file or a Hugging Face model folder)")
+    from specdraft.model.load_gguf import open_gguf
+
+    return Tokenizer.from_gguf(open_gguf(source))
+
+
 def build_transformer(
     config: ModelConfig,
     weights: dict[str, Tensor],
