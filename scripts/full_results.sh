@@ -26,8 +26,14 @@ $SD bench --methods "ngram,draft:path=$DRAFT" --workloads summarization,rag,code
 $SD bench --methods "ngram,ngram:policy=fixed+k=8" --workloads mixed \
   --batch-sizes 1,8,32,128 --samples 16 --repeats 2 --max-new-tokens 64 --out results/bench-batch \
   > /dev/null 2> results/bench-batch.log
-# 3. runtime: plain decode vs transformers, verification cost curve (float32 and bfloat16)
+# 3. runtime: plain decoding in every numeric mode beside llama.cpp and transformers, cost curves,
+#    profile, memory (issue 17; each mode in its own process)
 $SD bench-runtime --out results/runtime > results/runtime/log.txt 2>/dev/null || true
+# 3b. the moonshot (issue 17): the exact int4 mode's methods against llama.cpp's plain decoding,
+#     end to end, batch 1, in the same run
+$SD bench --methods ngram,suffix,mtp --workloads summarization,rag,code,editing,math,chat,creative,translation \
+  --batch-sizes 1 --samples 2 --max-new-tokens 64 --dtype int4 --batch-invariant --peers llamacpp \
+  --out results/bench-int4 > /dev/null 2> results/bench-int4.log
 # 4. numeric modes: float32, bfloat16 with --batch-invariant (exact), bfloat16 (not exact)
 SIX=summarization,rag,code,editing,math,chat
 $SD bench --methods plain,ngram,suffix --workloads $SIX --batch-sizes 1 --samples 3 --repeats 2 --dtype float32 \

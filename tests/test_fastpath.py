@@ -117,3 +117,34 @@ def test_a_cast_model_is_captured_again(folder: Path) -> None:
     assert fastpath.layers_for(m) is first
     m.to(torch.bfloat16).pack_weights()
     assert fastpath.layers_for(m) is not first
+
+
+def test_without_a_compiler_the_python_loop_runs_after_one_warning(folder: Path, tmp_path: Path) -> None:
+    """A machine where the extension cannot be built (here: no compiler) gets one warning line
+    and the same outputs from the Python loop."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from specdraft.model.load_hf import load_hf\n"
+        "from specdraft.model.loader import build_transformer\n"
+        f"config, weights = load_hf(__import__('pathlib').Path({str(folder)!r}))\n"
+        "m = build_transformer(config, weights)\n"
+        "with torch.inference_mode():\n"
+        "    for _ in range(3):\n"
+        "        out = m(torch.tensor([[5, 6]]), torch.tensor([[0, 1]]), m.new_cache(1, 8))\n"
+        "print(int(out.logits.argmax()))\n"
+    )
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "CXX": str(tmp_path / "no-such-compiler")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    warnings = [line for line in proc.stderr.splitlines() if "C++ decode loop unavailable" in line]
+    assert len(warnings) == 1, proc.stderr[-2000:]
+    config, weights = load_hf(folder)
+    m = build_transformer(config, weights)
+    m.fast_path = False
+    with torch.inference_mode():
+        want = m(torch.tensor([[5, 6]]), torch.tensor([[0, 1]]), m.new_cache(1, 8)).logits
+    assert int(proc.stdout.split()[-1]) == int(want.argmax())

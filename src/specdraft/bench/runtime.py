@@ -84,6 +84,19 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+def _rss_mb() -> float | None:
+    """Resident memory now (Linux), after a garbage collection; None elsewhere."""
+    import gc
+    import os
+
+    gc.collect()
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 # --------------------------------------------------------------------------- our modes (child side)
 
 
@@ -162,7 +175,8 @@ def measure_mode(mode: str, cfg: RuntimeBenchConfig) -> dict[str, Any]:
     t0 = time.perf_counter()
     loaded = load(cfg.model, dtype=dtype, device=cfg.device, batch_invariant=invariant)
     row: dict[str, Any] = {"mode": mode, "guarantee": EXACT[mode], "load_s": time.perf_counter() - t0,
-                           "rss_after_load_mb": _peak_rss_mb(), **weight_bytes(loaded.model),
+                           "rss_after_load_mb": _rss_mb(), "peak_rss_at_load_mb": _peak_rss_mb(),
+                           **weight_bytes(loaded.model),
                            "source": str(loaded.source), "threads": torch.get_num_threads()}
     row["cpp_loop"] = fastpath.status()
     row["cost_curve"] = cost_curve(loaded.model, cfg.q_values, cfg.prefix_tokens, cfg.repeats)

@@ -96,10 +96,11 @@ def breakdown_table(results: dict[str, Any]) -> str:
 
 def memory_table(results: dict[str, Any]) -> str:
     rows = [[m["mode"], m.get("parameters_mb", "-"), m.get("packed_copies_mb", "-"), m.get("int4_mb", "-"),
-             m.get("rss_after_load_mb", "-"), m.get("peak_rss_mb", "-"), m.get("load_s", "-")]
+             m.get("rss_after_load_mb") or "-", m.get("peak_rss_at_load_mb", "-"), m.get("peak_rss_mb", "-"),
+             m.get("load_s", "-")]
             for m in results["modes"] if "parameters_mb" in m]
     return format_table(["mode", "parameters MB", "oneDNN packed copies MB", "4-bit packs MB", "RSS after load MB",
-                         "peak RSS MB", "load s"], rows)
+                         "peak RSS while loading MB", "peak RSS MB (run end)", "load s"], rows)
 
 
 def build_line(results: dict[str, Any]) -> str:
