@@ -28,7 +28,8 @@ def header(results: dict[str, Any]) -> str:
     m, c = results["machine"], results["config"]
     model = results.get("model", {})
     return "\n".join([
-        f"- model: {model.get('name', '?')} ({Path(model.get('source', '?')).name}), {c['dtype']} on {c['device']}",
+        f"- model: {model.get('name', '?')} ({Path(model.get('source', '?')).name}), {c['dtype']}"
+        f"{' batch-invariant' if c.get('batch_invariant') else ''} on {c['device']}",
         f"- machine: {m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads; "
         f"python {m['python']}, torch {m['torch']}, specdraft {m['specdraft']}",
         f"- {c['samples']} prompts per workload, {c['max_new_tokens']} new tokens, temperature {c['temperature']}, "
@@ -60,10 +61,20 @@ def peers_table(results: dict[str, Any]) -> str:
         base = "draft" if p.get("mode") == "draft model" else "ngram"
         mine = _our_row(results["rows"], p["workload"], base)
         spec = p.get("speculative_tokens_per_s", p.get("prompt_lookup_tokens_per_s", 0.0))
+        best = _best_row(results["rows"], p["workload"])
         body.append([p["workload"], p["peer"], p.get("mode", "prompt lookup"), p["plain_tokens_per_s"], spec,
-                     f"{p['speedup']:.2f}x", f"{mine['speedup']:.2f}x ({mine['method']})" if mine else "-"])
+                     f"{p['speedup']:.2f}x", f"{mine['speedup']:.2f}x ({mine['method']})" if mine else "-",
+                     f"{best['tokens_per_s']:.1f} ({best['method']})" if best else "-",
+                     f"{best['tokens_per_s'] / p['plain_tokens_per_s']:.2f}x" if best and p["plain_tokens_per_s"] else "-"])
     return format_table(["workload", "peer", "drafts", "peer plain tok/s", "peer speculative tok/s",
-                         "peer speedup", "specdraft speedup"], body)
+                         "peer speedup", "specdraft speedup", "specdraft best tok/s",
+                         "specdraft best / peer plain"], body)
+
+
+def _best_row(rows: list[dict[str, Any]], workload: str) -> dict[str, Any] | None:
+    """Our fastest batch-1 row for the workload (every method is lossless), end to end."""
+    mine = [r for r in rows if r["batch"] == 1 and r["workload"] == workload]
+    return max(mine, key=lambda r: r["tokens_per_s"], default=None)
 
 
 def _our_row(rows: list[dict[str, Any]], workload: str, base: str) -> dict[str, Any] | None:
