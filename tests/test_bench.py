@@ -642,7 +642,8 @@ def test_peers_table_sets_each_peer_beside_our_matching_method():
     from specdraft.bench.report import peers_table
 
     def ours(method, base, speedup):
-        return {"batch": 1, "workload": "code", "method": method, "base_method": base, "speedup": speedup}
+        return {"batch": 1, "workload": "code", "method": method, "base_method": base, "speedup": speedup,
+                "tokens_per_s": 40.0 * speedup}
 
     results = {"rows": [ours("ngram:policy=fixed,k=8", "ngram", 1.1), ours("ngram", "ngram", 1.4),
                         ours("draft:path=d", "draft", 1.2)],
@@ -653,6 +654,9 @@ def test_peers_table_sets_each_peer_beside_our_matching_method():
     lines = peers_table(results).splitlines()
     assert "1.40x (ngram)" in lines[2] and "prompt lookup" in lines[2]
     assert "1.20x (draft:path=d)" in lines[3] and "0.90x" in lines[3]
+    # our fastest method beside each peer's plain decoding: 56 tok/s against 50 and 20
+    assert "56.0 (ngram)" in lines[2] and "1.12x" in lines[2]
+    assert "56.0 (ngram)" in lines[3] and "2.80x" in lines[3]
 
 
 def test_copy_ceiling_counts_the_oracle_steps():

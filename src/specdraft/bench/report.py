@@ -73,7 +73,7 @@ def peers_table(results: dict[str, Any]) -> str:
 
 def _best_row(rows: list[dict[str, Any]], workload: str) -> dict[str, Any] | None:
     """Our fastest batch-1 row for the workload (every method is lossless), end to end."""
-    mine = [r for r in rows if r["batch"] == 1 and r["workload"] == workload]
+    mine = [r for r in rows if r["batch"] == 1 and r["workload"] == workload and "tokens_per_s" in r]
     return max(mine, key=lambda r: r["tokens_per_s"], default=None)
 
 
