@@ -35,11 +35,15 @@ def write_plots(results: dict[str, Any], folder: Path) -> list[Path]:
                      ("tree_vs_chain.png", _tree_vs_chain), ("adaptive_vs_fixed.png", _adaptive_vs_fixed)):
         fig = fn(plt, rows)
         if fig is not None:
-            path = folder / name
-            fig.savefig(path, dpi=110, bbox_inches="tight")
-            plt.close(fig)
-            out.append(path)
+            out.append(save_figure(plt, fig, folder / name))
     return out
+
+
+def save_figure(plt: Any, fig: Any, path: Path) -> Path:
+    """Write a figure as every benchmark plot is written, and free it."""
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
 
 
 def _speculative(rows: list[dict[str, Any]]) -> list[str]:

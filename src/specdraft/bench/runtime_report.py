@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from specdraft.bench.machine import format_table
+from specdraft.bench.plots import _pyplot, save_figure
 
 GOAL_VS_LLAMACPP = 0.67  # fastest exact plain decoding against llama.cpp's, batch 1
 GOAL_VS_TRANSFORMERS = 1.5  # float32 plain against transformers float32
@@ -178,8 +179,6 @@ def write_report(results: dict[str, Any], folder: Path) -> Path:
 
 def write_plots(results: dict[str, Any], folder: Path) -> list[Path]:
     try:
-        from specdraft.bench.plots import _pyplot
-
         plt = _pyplot()
     except ImportError:
         return []
@@ -195,7 +194,7 @@ def write_plots(results: dict[str, Any], folder: Path) -> list[Path]:
     ax.set_title("Verification cost curve per numeric mode")
     ax.legend()
     ax.grid(alpha=0.3)
-    out.append(_save(plt, fig, folder / "cost_curve.png"))
+    out.append(save_figure(plt, fig, folder / "cost_curve.png"))
     names, values = [], []
     for r in [*results["modes"], *results["peers"]]:
         v = _decode(r, 1)
@@ -212,11 +211,5 @@ def write_plots(results: dict[str, Any], folder: Path) -> list[Path]:
         for i, v in enumerate(values):
             ax.text(v, i, f" {v:.0f}", va="center")
         ax.set_title("Plain decoding speed")
-        out.append(_save(plt, fig, folder / "decode_speed.png"))
+        out.append(save_figure(plt, fig, folder / "decode_speed.png"))
     return out
-
-
-def _save(plt: Any, fig: Any, path: Path) -> Path:
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
