@@ -23,7 +23,7 @@ from specdraft.model.loader import LoadedModel, load
 from specdraft.policy import Policy, PolicyConfig
 from specdraft.proposers import make_proposer
 from specdraft.proposers.base import ProposerContext
-from specdraft.proposers.feature_heads import _best_tree, EagleOptions, FeatureHeadProposer
+from specdraft.proposers.feature_heads import BACKLOG_MIN, _best_tree, EagleOptions, FeatureHeadProposer
 from specdraft.sequence import GenerationConfig, Sequence
 from test_accept import check_siblings_lossless, sibling_setup  # noqa: F401  (a fixture)
 from test_spec_engine import cost_table
@@ -80,13 +80,16 @@ def _ttt_logp(loaded: LoadedModel, head: FeatureHead, tokens: list[int], anchor:
 
 @pytest.mark.parametrize("kind", ["eagle", "mtp"])
 @pytest.mark.parametrize("topk", [1, 3], ids=["chain", "tree"])
-def test_drafting_computes_what_the_training_time_test_trains(tiny: LoadedModel, topk: int, kind: str) -> None:
+@pytest.mark.parametrize("length", [17, BACKLOG_MIN + 9], ids=["short", "backlog"])
+def test_drafting_computes_what_the_training_time_test_trains(tiny: LoadedModel, topk: int, kind: str,
+                                                              length: int) -> None:
     """Every node's score is its path's cumulative log-probability under the training-time
     test with that path as the tokens: the tree's attention mask, positions, the head's cache
-    and the state hand-over are those training sees (for both kinds of feature head)."""
+    and the state hand-over are those training sees (for both kinds of feature head; a
+    prompt long enough to be fed alone first, ``backlog``, included)."""
     head = random_head(tiny, kind=kind)
     proposer = FeatureHeadProposer(head, context(tiny), EagleOptions(depth=3, topk=topk))
-    prompt = prompts(tiny)[1]
+    prompt = torch.randint(3, 300, (length,), generator=torch.Generator().manual_seed(1)).tolist()
     seq = Sequence(prompt, GEN, tiny.tokenizer, capacity=64)
     m = tiny.model
     with torch.inference_mode():
@@ -111,6 +114,31 @@ def test_drafting_computes_what_the_training_time_test_trains(tiny: LoadedModel,
         steps = _ttt_logp(tiny, head, walk, len(prompt) - 1, len(path))
         want = sum(float(steps[d][head.vocab.to_draft(torch.tensor(walk[len(prompt) + 1 + d]))]) for d in range(len(path)))
         assert abs(float(scores[0, node]) - want) < 1e-4, (node, path)
+
+
+def test_a_prompt_backlog_is_priced_then_fed_at_the_first_proposal(tiny: LoadedModel) -> None:
+    """The prompt is not fed in the prefill: the policy sees its cost (``setup_seconds``) for
+    the row that has it, nothing for a short one, and nothing once the first proposal fed it."""
+    head = random_head(tiny)
+    proposer = FeatureHeadProposer(head, context(tiny), EagleOptions(depth=2, topk=2))
+    m = tiny.model
+    g = torch.Generator().manual_seed(2)
+    seqs = []
+    with torch.inference_mode():
+        for row, n in enumerate((BACKLOG_MIN + 20, 5)):
+            prompt = torch.randint(3, 300, (n,), generator=g).tolist()
+            seq = Sequence(prompt, GEN, tiny.tokenizer, capacity=128)
+            proposer.begin(row, seq)
+            out = m(torch.tensor([prompt]), torch.arange(n)[None], m.new_cache(1, n), return_hidden=head.config.taps)
+            proposer.prefilled(row, _features(out, head))
+            seq.append([int(out.logits[0, -1].argmax())])
+            seqs.append(seq)
+        setup = proposer.setup_seconds(seqs)
+        assert setup[0] > 0 and setup[1] == 0 and proposer.setup_seconds([None, seqs[1]]) == [0.0, 0.0]
+        assert proposer.rows.length == {0: 0, 1: 0}  # nothing fed yet
+        proposer.propose(seqs, [3, 3], m.new_cache(2, 128))
+        assert proposer.setup_seconds(seqs) == [0.0, 0.0]
+        assert proposer.rows.length == {0: BACKLOG_MIN + 20, 1: 5}  # every prompt position fed
 
 
 def _features(out, head: FeatureHead):  # type: ignore[no-untyped-def]

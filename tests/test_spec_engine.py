@@ -931,6 +931,33 @@ def test_policy_cuts_a_batch_where_few_rows_found_a_draft() -> None:
     assert Policy(PolicyConfig(kind="fixed", k=8)).trim(lone, batch) == lone
 
 
+def test_speculation_must_beat_plain_by_the_margin() -> None:
+    """A draft expected to gain 3% over plain decoding is not worth the estimates' error: with
+    the default margin (5%) the budget and the batch depth stay plain; with no margin, or a
+    draft that gains 20%, it speculates."""
+    batch = 16
+
+    def policy_for(gain: float, margin: float) -> Policy:
+        policy = Policy(PolicyConfig(kind="adaptive", k=8, margin=margin, objective="throughput"), CostModel())
+        for row in range(batch):
+            policy.begin(row)
+            for _ in range(40):  # 3 of 4 single-token drafts accepted
+                for ok in (True, True, True, False):
+                    policy.observe(row, Draft.chain([1]), Acceptance((1,) if ok else (), (1,)))
+        alpha = policy.alpha(0)
+        per_token = (1 + alpha) / gain - 1  # a 1-token draft (1 + alpha tokens) gains `gain`
+        policy.cost = CostModel(table={batch: {q: 1.0 + per_token * (q - 1) for q in range(1, 10)}})
+        return policy
+
+    drafts = [Draft.chain([5])] * batch
+    for gain, margin, speculates in ((1.03, 0.05, False), (1.03, 0.0, True), (1.2, 0.05, True)):
+        policy = policy_for(gain, margin)
+        assert (policy.best_length([8] * batch, batch) > 0) == speculates, (gain, margin)
+        assert (policy.batch_depth(drafts, batch) > 0) == speculates, (gain, margin)
+    with pytest.raises(SpecdraftError, match="margin"):
+        PolicyConfig(margin=1.5)
+
+
 def test_static_batch_policy_follows_its_slowest_row() -> None:
     """In a static batch the slowest row sets the end: with one row that never accepts and as
     much left to do as the others, speculating only adds cost (0 drafts, and every draft cut);

@@ -28,6 +28,8 @@ class PolicyConfig:
     label_min: float = 8.0  # outcomes a draft label needs before its own alpha trims its drafts (and
     # all requests pooled before their alpha replaces `prior` for new requests)
     stop_after: int = 4  # a request whose last this many drafts all failed stops drafting for a while
+    margin: float = 0.05  # speculation must be expected to beat plain decoding by this share (the
+    # estimates' error: a step priced as a 2% gain can be a 5% loss, which a busy server must not take)
 
     def __post_init__(self) -> None:
         if self.kind not in ("fixed", "adaptive"):
@@ -42,6 +44,8 @@ class PolicyConfig:
             raise SpecdraftError(f"policy look_cost must be in [0, 1], got {self.look_cost!r}")
         if self.probe_every < 1 or self.probe_cost < 1:
             raise SpecdraftError("probe_every must be >= 1 and probe_cost >= 1")
+        if not 0 <= self.margin < 1:
+            raise SpecdraftError(f"policy margin must be in [0, 1), got {self.margin!r}")
         if self.stop_after < 1:
             raise SpecdraftError(f"policy stop_after must be >= 1, got {self.stop_after!r}")
 

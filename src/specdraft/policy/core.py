@@ -19,8 +19,10 @@ speculation would not pay. What "progress" means depends on how the batch is run
 - a *continuously refilled* batch (``objective="throughput"``, or no remaining counts) is
   measured by throughput, sum_rows E_row(K) / cost(K).
 
-At large batch the
-verification of extra tokens is no longer free, so speculation switches itself off there.
+Every speculative choice must beat plain decoding by ``margin`` (5%) in these estimates, not
+merely match it: alpha and the cost curve are estimates, and a step priced as a small gain can
+be a loss. At large batch the verification of extra tokens is no longer free, so speculation
+switches itself off there.
 While off, the policy probes (drafts up to ``probe_k`` tokens after ``probe_every`` idle steps)
 only where a probe is cheap (its forward and its drafting together cost at most ``probe_cost``
 plain steps; a costly proposer probes with fewer tokens, or not at all), so that a request whose
@@ -194,7 +196,7 @@ class Policy:
         q_max = 1 + self.config.k
         steps = max(r / expected_tokens(self.alpha(row), min(k, caps[row])) for row, r in zip(live, left))
         spec = setup + steps * (self.cost.latency(batch, 1 + k, q_max) + self.proposing(batch, k))
-        return spec < max(left) * self.cost.latency(batch, 1, q_max)
+        return spec * self.bar < max(left) * self.cost.latency(batch, 1, q_max)
 
     def _settle_probe(self) -> None:
         """After a probe step: the next probe comes sooner if it paid, later if not."""
@@ -261,8 +263,9 @@ class Policy:
         for k in range(0, self.config.k + 1):
             gain = progress([expected_tokens(a, min(k, c)) for a, c in alphas], left)
             cost = self.cost.latency(batch, 1 + k, q_max) + self.proposing(batch, k)
-            if gain / cost > best_rate:
-                best, best_rate = k, gain / cost
+            rate = gain / cost * (self.bar if k == 0 else 1.0)
+            if rate > best_rate:
+                best, best_rate = k, rate
         return best
 
     def scored_length(self, caps: Seq[int], batch: int, remaining: Seq[int] | None = None) -> int:
@@ -276,7 +279,7 @@ class Policy:
         q_max = 1 + self.config.k
         left = None if remaining is None else [remaining[row] for row in live]
         outlooks = [self.outlooks.get(row, self.pooled_outlook) for row in live]
-        best, best_rate = 0, progress([1.0] * len(live), left) / self.cost.latency(batch, 1, q_max)
+        best, best_rate = 0, self.bar * progress([1.0] * len(live), left) / self.cost.latency(batch, 1, q_max)
         for n in range(1, self.config.k + 1):
             gain = progress([1.0 + o.at(min(n, caps[row])) for o, row in zip(outlooks, live)], left)
             rate = gain / (self.cost.latency(batch, 1 + n, q_max) + self.proposing(batch, n))
@@ -360,7 +363,7 @@ class Policy:
         rows = [g for g, on in zip(gains, live) if on]
         left = None if remaining is None else [r for r, on in zip(remaining, live) if on]
         q_max = 1 + self.config.k
-        best, best_rate = 0, progress([1.0] * len(rows), left) / self.cost.latency(batch, 1, q_max)
+        best, best_rate = 0, self.bar * progress([1.0] * len(rows), left) / self.cost.latency(batch, 1, q_max)
         for n in range(1, widest + 1):
             gain = progress([1.0 + g[min(n, len(g) - 1)] for g in rows], left)
             rate = gain / self.cost.latency(batch, 1 + n, q_max)
@@ -380,7 +383,7 @@ class Policy:
                 continue
             depths = d.depths()
             rate = [expected_tokens(alpha, k) / self.cost.latency(batch, 1 + sum(x <= k for x in depths), 1 + self.config.k)
-                    for k in range(max(depths) + 1)]
+                    * (self.bar if k == 0 else 1.0) for k in range(max(depths) + 1)]
             out.append(d.up_to_depth(max(range(len(rate)), key=rate.__getitem__)))
         return out
 
@@ -401,7 +404,7 @@ class Policy:
         alphas = [self._draft_alpha(row, d) for row, d in enumerate(drafts)]
         rows = [(a, ds[-1] if ds else 0) for a, ds, on in zip(alphas, depths, live) if on]
         left = None if remaining is None else [r for r, on in zip(remaining, live) if on]
-        best, best_rate = 0, progress([1.0] * len(rows), left) / self.cost.latency(batch, 1, 1 + self.config.k)
+        best, best_rate = 0, self.bar * progress([1.0] * len(rows), left) / self.cost.latency(batch, 1, 1 + self.config.k)
         for k in range(1, deepest + 1):
             gain = progress([expected_tokens(a, min(k, depth)) for a, depth in rows], left)
             width = max(bisect_right(ds, k) for ds in depths)  # nodes kept by the widest row
@@ -413,6 +416,12 @@ class Policy:
     def _draft_alpha(self, row: int, d: Draft) -> float:
         alpha = self.label_alpha(d.label) if d.label else None
         return self.alpha(row) if alpha is None else alpha
+
+    @property
+    def bar(self) -> float:
+        """What plain decoding's rate is multiplied by before a speculative choice is compared
+        with it (``PolicyConfig.margin``)."""
+        return 1.0 + self.config.margin
 
     def observe_propose_time(self, budget: int, seconds: float, batch: int = 1) -> None:
         """One drafting step for ``batch`` rows, with budgets up to ``budget``, took ``seconds``."""

@@ -5,7 +5,11 @@ Each row keeps the head's keys/values of its committed positions (``HeadCache``)
 target's tap features of positions it has not fed yet (the prompt after the prefill, then the
 root and the accepted nodes of each verification). A proposal first feeds those (exact
 entries: the target's fused taps and the committed tokens); the last one is the anchor,
-whose output predicts the token after the bonus token. Then:
+whose output predicts the token after the bonus token. The prompt is fed at the row's first
+proposal, not in the prefill: a row that never drafts (a busy server, where the policy keeps
+speculation off) never pays for it. Such a backlog is priced for the policy
+(``setup_seconds``, from a measured time per entry), as a draft model's catch-up is, and fed
+row by row so that the other rows' few entries are not padded to its length. Then:
 
 - depth 1: the anchor's ``topk`` likeliest tokens;
 - depth d + 1: the ``topk`` depth-d nodes with the highest cumulative draft log-probability
@@ -23,6 +27,7 @@ exact entries.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -41,6 +46,7 @@ from specdraft.proposers.base import FeatureRequest, Features, ProposerContext, 
 from specdraft.proposers.head_state import HeadCache, PendingTaps
 from specdraft.sequence import Sequence
 
+BACKLOG_MIN = 32  # pending entries from which a row's catch-up is priced and fed on its own
 
 @dataclass(frozen=True, slots=True)
 class EagleOptions:
@@ -96,34 +102,49 @@ class FeatureHeadProposer:
         self.vocab_ids = head.target_ids.to(target.device)  # [N]
         self.cache = HeadCache(head.config.num_kv_heads, head.config.head_dim, target.dtype, target.device)
         self.rows = PendingTaps(head.config.taps)
-        self.prompts: dict[int, list[int]] = {}  # row -> its prompt, until the prefill is fed
+        self.seconds_per_entry: float | None = None  # catch-up time per fed entry (measured)
 
     # -- row lifecycle -------------------------------------------------------------------------
     def begin(self, row: int, seq: Sequence) -> None:
         self.rows.begin(row)
-        self.prompts[row] = seq.prompt
 
-    @torch.inference_mode()
     def prefilled(self, row: int, features: Features) -> None:
-        """Feed the prompt's entries now, in the prefill, but the last (its next token is the
-        first generated one): the first proposal then costs what any other does, which is what
-        the adaptive policy prices drafting by."""
+        """Keep the prompt's features: they are fed at the row's first proposal (module doc)."""
         self.rows.prefilled(row, features)
-        [feats] = self.rows.pending[row]  # [m, taps * H]
-        prompt = self.prompts.pop(row, [])
-        if len(feats) < 2 or len(prompt) != len(feats):
-            return
-        self.rows.pending[row] = [feats[:-1]]
-        fed, starts = self.rows.take([row])
-        self._feed([row], fed, starts, [prompt[1:]], scratch=0)
-        self.rows.pending[row] = [feats[-1:]]
 
     def observe(self, row: int, draft: Draft, acceptance: Acceptance, verified: Verified) -> None:
         self.rows.observe(row, acceptance, verified)
 
     def end(self, row: int) -> None:
         self.rows.end(row)
-        self.prompts.pop(row, None)
+
+    # -- cost ---------------------------------------------------------------------------------
+    def setup_seconds(self, seqs: Seq[Sequence | None]) -> list[float]:
+        """Per row: the estimated time to feed its backlog before it can draft (0 under
+        ``BACKLOG_MIN`` entries: feeding those is part of an ordinary proposal)."""
+        backlog = [self.rows.backlog(r) if s is not None else 0 for r, s in enumerate(seqs)]
+        if max(backlog, default=0) < BACKLOG_MIN:
+            return [0.0] * len(seqs)
+        rate = self._rate()
+        return [rate * n if n >= BACKLOG_MIN else 0.0 for n in backlog]
+
+    @torch.inference_mode()
+    def _rate(self) -> float:
+        """Seconds per fed entry: measured on real catch-ups, or, before the first one, on two
+        feeds of ``BACKLOG_MIN`` zero features into a spare row (the first warms up)."""
+        if self.seconds_per_entry is None:
+            n, c = BACKLOG_MIN, self.head.config
+            feats = torch.zeros(n, len(c.taps) * c.hidden_size, dtype=self.cache.k.dtype, device=self.embed.weight.device)
+            rows = self.cache
+            self.cache = HeadCache(c.num_kv_heads, c.head_dim, rows.k.dtype, rows.k.device)
+            try:  # into a cache of its own: the rows' entries stay untouched
+                for _ in range(2):
+                    t0 = time.perf_counter()
+                    self._feed([0], [feats], [0], [[0] * n], scratch=0)
+                    self.seconds_per_entry = (time.perf_counter() - t0) / n
+            finally:
+                self.cache = rows
+        return self.seconds_per_entry
 
     def memory_bytes(self) -> int:
         params = sum(p.numel() * p.element_size() for p in self.head.parameters())
@@ -148,10 +169,22 @@ class FeatureHeadProposer:
     def _feed_pending(self, rows: list[int], seqs: list[Sequence], scratch: int) -> tuple[Tensor, Tensor]:
         """Feed each row's pending exact entries (with room for ``scratch`` drafted ones after
         them); return the anchor's state [R, H] and log-probs [R, N]."""
+        for row, seq in zip(rows, seqs):  # a long backlog alone, all but its last entry
+            if self.rows.backlog(row) >= BACKLOG_MIN:
+                self._catch_up(row, seq)
         feats, starts = self.rows.take(rows)  # [P_r, taps * H] each; each row's first new slot
         ids = [seq.tokens[s + 1 : s + 1 + len(f)] for f, s, seq in zip(feats, starts, seqs)]
         state = self._feed(rows, feats, starts, ids, scratch)  # [R, H]
         return state, self.head.logits(state).log_softmax(-1)
+
+    def _catch_up(self, row: int, seq: Sequence) -> None:
+        """Feed a row's backlog but its last entry (which stays the anchor), timing it."""
+        [feats], [start] = self.rows.take([row])  # [P, taps * H]
+        self.rows.pending[row] = [feats[-1:]]
+        self.rows.length[row] -= 1
+        t0 = time.perf_counter()
+        self._feed([row], [feats[:-1]], [start], [seq.tokens[start + 1 : start + len(feats)]], scratch=0)
+        self.seconds_per_entry = (time.perf_counter() - t0) / (len(feats) - 1)
 
     def _feed(self, rows: list[int], feats: list[Tensor], starts: list[int], ids: list[list[int]],
               scratch: int) -> Tensor:

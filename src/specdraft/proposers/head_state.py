@@ -78,12 +78,20 @@ class PendingTaps:
 
     def observe(self, row: int, acceptance: Acceptance, verified: Verified) -> None:
         """The root's and the accepted nodes' features (verification slots 0 and path + 1)."""
-        slots = torch.tensor([0, *(i + 1 for i in acceptance.path)], device=verified.hidden.device)
+        path = acceptance.path
+        if list(path) == list(range(len(path))):  # a chain's accepted prefix: slots 0..n
+            self.pending[row].append(self._cat(verified.taps, slice(0, len(path) + 1)).clone())
+            return
+        slots = torch.tensor([0, *(i + 1 for i in path)], device=verified.hidden.device)
         self.pending[row].append(self._cat(verified.taps, slots))
 
     def end(self, row: int) -> None:
         self.length.pop(row, None)
         self.pending.pop(row, None)
+
+    def backlog(self, row: int) -> int:
+        """Entries pending for the row (the next proposal feeds them)."""
+        return sum(len(f) for f in self.pending.get(row, ()))
 
     def ready(self, row: int) -> bool:
         """Whether the row has an anchor to draft from (something pending)."""
@@ -100,4 +108,6 @@ class PendingTaps:
         return feats, starts
 
     def _cat(self, taps: dict[int, Tensor], index: slice | Tensor) -> Tensor:
+        if len(self.taps) == 1:
+            return taps[self.taps[0]][index]  # [P, H]
         return torch.cat([taps[t][index] for t in self.taps], dim=-1)  # [P, taps * H]
