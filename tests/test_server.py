@@ -307,3 +307,28 @@ def test_default_model_bf16_batch_invariant_mtp_equals_generate(tmp_path: Path):
         assert mine.usage.completion_tokens_details.accepted_prediction_tokens > 0  # it did speculate
     finally:
         assert s.stop() == 0
+
+
+def test_bench_serve_interleaves_its_servers_and_pools_rounds(tiny_long: Path, tmp_path: Path):
+    """``bench-serve`` on the tiny model: both servers up together, each cell run in every round
+    (2), pooled into one row per engine, workload and concurrency, with the server's tau; the
+    report and results are written, and the servers are stopped."""
+    from specdraft.bench.serve import ServeBenchConfig, run_serve_bench
+
+    cfg = ServeBenchConfig(methods=("plain", "ngram"), workloads=("code",), concurrency=(1, 2), requests=2,
+                           max_tokens=8, model=str(tiny_long), threads=1, context=1024, rounds=2,
+                           out=str(tmp_path / "bs"))
+    lines: list[str] = []
+    results = run_serve_bench(cfg, log=lines.append)
+    cells = results["cells"]
+    assert [(c["engine"], c["concurrency"]) for c in cells] == [
+        ("specdraft:plain", 1), ("specdraft:ngram", 1), ("specdraft:plain", 2), ("specdraft:ngram", 2)]
+    for c in cells:
+        assert c["rounds"] == 2 and c["requests"] == 4 and c["errors"] == 0 and c["tokens"] > 0
+        assert c["tau"] is not None and c["tau"] >= 1.0
+    assert next(c for c in cells if c["engine"] == "specdraft:plain")["tau"] == 1.0
+    ran = [line.split()[1] for line in lines if " c=" in line]  # engines in the order their cells ran
+    assert len(ran) == 8 and ran[:2] != ran[2:4]  # the second round starts with the other server
+    assert (tmp_path / "bs" / "report.md").exists()
+    with pytest.raises(Exception, match="rounds"):
+        ServeBenchConfig(rounds=0)

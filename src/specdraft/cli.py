@@ -223,6 +223,10 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
     bs.add_argument("--context", type=int, default=1024, help="the servers' tokens per request (default: 1024)")
     bs.add_argument("--peers", default="", help="llamacpp: llama-cpp-python's server on the same GGUF")
     bs.add_argument("--out", default="runs/bench-serve", help="output folder (default: runs/bench-serve)")
+    bs.add_argument("--rounds", type=int, default=1,
+                    help="times each cell runs, the servers in rotated order; a cell pools its rounds (default: 1)")
+    bs.add_argument("--peer-concurrency", type=int, default=16,
+                    help="the largest concurrency a peer server runs (default: 16)")
     bs.add_argument("--model", default=None, metavar="PATH", help="model (default: the embedded one)")
     bs.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "int4"])
     bs.add_argument("--batch-invariant", action="store_true")
@@ -257,7 +261,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                            concurrency=_int_list(args.concurrency, "--concurrency"), requests=args.requests,
                            max_tokens=args.max_tokens, model=args.model, dtype=args.dtype,
                            batch_invariant=args.batch_invariant, threads=args.threads, context=args.context,
-                           peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()), out=args.out)
+                           peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()), out=args.out,
+                           rounds=args.rounds, peer_concurrency=args.peer_concurrency)
     run_serve_bench(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
     from pathlib import Path
 

@@ -2,11 +2,16 @@
 OpenAI client.
 
 For each method a ``specdraft serve`` subprocess is started on a free loopback port (the same
-model, dtype and limits), warmed with one request, then each workload is sent at each
-concurrency: ``concurrency`` client threads, each sending its next streamed chat request as
-soon as the last one ended (a closed loop), ``requests`` requests per cell, greedy; before each
-cell the server forgets what it learned from earlier ones (``--allow-reset``: prompts repeat
-across cells, and suffix decoding would otherwise copy its own earlier answers). Measured
+model, dtype and limits) and warmed with one request; all of them stay up (an idle server
+waits without using the CPU). Then each workload is sent at each concurrency to every server
+in turn, the order rotated from one cell to the next, so that the engines compared in a row of
+the report ran minutes apart, not an hour (this machine's speed drifts by 10-20% over an hour),
+and ``rounds`` times (a cell's numbers pool its rounds). A cell: ``concurrency`` client
+threads, each sending its next streamed chat request as soon as the last one ended (a closed
+loop), ``requests`` requests, greedy; before each cell the server forgets what it learned from
+earlier ones (``--allow-reset``: prompts repeat across cells, and suffix decoding would
+otherwise copy its own earlier answers). A peer (llama.cpp's server decodes one request at a
+time) runs up to ``peer_concurrency``. Measured
 per request on the client: time to first token (TTFT), the gaps between streamed chunks (ITL;
 a speculative chunk may hold several tokens, as in vLLM's serving benchmark), time per output
 token after the first (TPOT) and the tokens (the usage the server reports); per cell: output
@@ -52,7 +57,13 @@ class ServeBenchConfig:
     threads: int | None = None
     context: int = 1024
     peers: tuple[str, ...] = ()  # "llamacpp"
+    peer_concurrency: int = 16  # a peer's largest concurrency (llama.cpp's server queues past 1)
+    rounds: int = 1  # times each cell is run (engines in rotated order); its numbers pool them
     out: str = "runs/bench-serve"
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1 or self.peer_concurrency < 1 or not self.concurrency or min(self.concurrency) < 1:
+            raise SpecdraftError("bench-serve: rounds, concurrencies and peer_concurrency must be >= 1")
 
     def requests_at(self, concurrency: int) -> int:
         return self.requests if self.requests is not None else max(8, 2 * concurrency)
@@ -71,8 +82,27 @@ class Cell:
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
     tpot: list[float] = field(default_factory=list)
-    tau: float | None = None
-    acceptance: float | None = None
+    passes: float = 0.0  # target passes, tokens emitted, drafted and accepted (the server's /metrics)
+    emitted: float = 0.0
+    drafted: float = 0.0
+    accepted: float = 0.0
+    rounds: int = 1
+
+    @property
+    def tau(self) -> float | None:
+        return self.emitted / self.passes if self.passes > 0 else None
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.drafted if self.passes > 0 and self.drafted > 0 else None
+
+    def merge(self, other: "Cell") -> None:
+        """Pool another round of the same cell into this one."""
+        for name in ("requests", "seconds", "tokens", "errors", "passes", "emitted", "drafted", "accepted", "rounds"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.ttft += other.ttft
+        self.itl += other.itl
+        self.tpot += other.tpot
 
     @property
     def throughput(self) -> float:
@@ -84,7 +114,7 @@ class Cell:
                 "seconds": self.seconds, "tokens": self.tokens, "throughput": self.throughput,
                 "ttft_p50": _pct(self.ttft, 50), "ttft_p99": _pct(self.ttft, 99),
                 "itl_p50": _pct(self.itl, 50), "itl_p99": _pct(self.itl, 99), "tpot_p50": _pct(self.tpot, 50),
-                "tau": self.tau, "acceptance": self.acceptance}
+                "tau": self.tau, "acceptance": self.acceptance, "rounds": self.rounds}
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -243,13 +273,10 @@ def run_cell(url: str, model: str, engine: str, method: str, workload: str, mess
     cell = Cell(engine, method, workload, concurrency, n_requests, seconds, sum(r["tokens"] for r in results),
                 errors[0], [r["ttft"] for r in results], [g for r in results for g in r["gaps"]],
                 [r["tpot"] for r in results if r["tpot"] is not None])
-    passes = _metric(after, "specdraft_target_passes_total") - _metric(before, "specdraft_target_passes_total")
-    if passes > 0:
-        emitted = _metric(after, "specdraft_generation_tokens_total") - _metric(before, "specdraft_generation_tokens_total")
-        drafted = _metric(after, "specdraft_draft_tokens_total") - _metric(before, "specdraft_draft_tokens_total")
-        accepted = _metric(after, "specdraft_accepted_tokens_total") - _metric(before, "specdraft_accepted_tokens_total")
-        cell.tau = emitted / passes
-        cell.acceptance = accepted / drafted if drafted > 0 else None
+    for field_, series in (("passes", "target_passes"), ("emitted", "generation_tokens"), ("drafted", "draft_tokens"),
+                           ("accepted", "accepted_tokens")):
+        name = f"specdraft_{series}_total"
+        setattr(cell, field_, _metric(after, name) - _metric(before, name))
     return cell
 
 
@@ -321,36 +348,52 @@ def run_serve_bench(cfg: ServeBenchConfig, log: Any = print) -> dict[str, Any]:
             log(f"bench-serve: {notes[-1]}")
         else:
             engines.append(("llamacpp", "plain", []))
-    for engine, method, _ in engines:
-        port = free_port()
-        cmd = _llamacpp_cmd(cfg, gguf, port) if engine == "llamacpp" else _specdraft_cmd(cfg, method, port)
-        log(f"bench-serve: starting {engine}")
-        try:
-            server = ServerProcess(cmd, port, engine, out, health="/v1/models" if engine == "llamacpp" else "/health")
-        except SpecdraftError as e:
-            notes.append(str(e))
-            log(f"bench-serve: {e}")
-            continue
-        try:
-            first = next(iter(messages.values()))
-            run_cell(server.url, "bench", engine, method, "warmup", first, 1, 1, 16, count)
-            for workload, msgs in messages.items():
-                for c in cfg.concurrency:
-                    cell = run_cell(server.url, "bench", engine, method, workload, msgs, c, cfg.requests_at(c),
-                                    cfg.max_tokens, count)
-                    cells.append(cell)
-                    s = cell.summary()
-                    tau = f", tau {s['tau']:.2f}" if s["tau"] is not None else ""
-                    log(f"bench-serve: {engine:<22} {workload:<10} c={c:<3} {s['throughput']:7.1f} tok/s, "
-                        f"TTFT p50 {s['ttft_p50'] or 0:.2f} s{tau}" + (f", {cell.errors} errors" if cell.errors else ""))
-                    _save(out, cfg, cells, notes, machine_info())
-        finally:
+    servers: list[tuple[str, str, ServerProcess]] = []
+    try:
+        for engine, method, _ in engines:
+            port = free_port()
+            cmd = _llamacpp_cmd(cfg, gguf, port) if engine == "llamacpp" else _specdraft_cmd(cfg, method, port)
+            log(f"bench-serve: starting {engine}")
+            try:
+                server = ServerProcess(cmd, port, engine, out, health="/v1/models" if engine == "llamacpp" else "/health")
+            except SpecdraftError as e:
+                notes.append(str(e))
+                log(f"bench-serve: {e}")
+                continue
+            servers.append((engine, method, server))
+            run_cell(server.url, "bench", engine, method, "warmup", next(iter(messages.values())), 1, 1, 16, count)
+        turn = 0
+        for workload, msgs in messages.items():
+            for c in cfg.concurrency:
+                here = [x for x in servers if x[0].startswith("specdraft") or c <= cfg.peer_concurrency]
+                pooled: dict[str, Cell] = {}
+                for _ in range(cfg.rounds):
+                    for engine, method, server in here[turn % len(here):] + here[: turn % len(here)]:
+                        cell = run_cell(server.url, "bench", engine, method, workload, msgs, c, cfg.requests_at(c),
+                                        cfg.max_tokens, count)
+                        _log_cell(log, cell)
+                        if engine in pooled:
+                            pooled[engine].merge(cell)
+                        else:
+                            pooled[engine] = cell
+                    turn += 1
+                cells.extend(pooled[e] for e, _, _ in here if e in pooled)
+                _save(out, cfg, cells, notes, machine_info())
+    finally:
+        for _, _, server in servers:
             server.stop()
     results = _save(out, cfg, cells, notes, machine_info())
     from specdraft.bench.serve_report import write_serve_report
 
     write_serve_report(out, results)
     return results
+
+
+def _log_cell(log: Any, cell: Cell) -> None:
+    s = cell.summary()
+    tau = f", tau {s['tau']:.2f}" if s["tau"] is not None else ""
+    log(f"bench-serve: {cell.engine:<22} {cell.workload:<10} c={cell.concurrency:<3} {s['throughput']:7.1f} tok/s, "
+        f"TTFT p50 {s['ttft_p50'] or 0:.2f} s{tau}" + (f", {cell.errors} errors" if cell.errors else ""))
 
 
 def _save(out: Path, cfg: ServeBenchConfig, cells: list[Cell], notes: list[str], machine: dict[str, Any]) -> dict[str, Any]:
