@@ -25,6 +25,7 @@ from specdraft.errors import ModelFileError, SpecdraftError
 from specdraft.metrics import SpecStats
 from specdraft.model.loader import LoadedModel, default_model_path, load
 from specdraft.policy import PROBE_GAP_MAX, PROBE_SETUP_SHARE, CostModel, Policy, PolicyConfig, expected_tokens, progress
+from specdraft.policy.evidence import REALISM_MAX, Realism
 from specdraft.proposers import make_proposer
 from specdraft.proposers.base import Proposer
 from specdraft.proposers.ngram import NgramConfig, NgramIndex, NgramProposer, continuation
@@ -956,6 +957,36 @@ def test_speculation_must_beat_plain_by_the_margin() -> None:
         assert (policy.batch_depth(drafts, batch) > 0) == speculates, (gain, margin)
     with pytest.raises(SpecdraftError, match="margin"):
         PolicyConfig(margin=1.5)
+
+
+def test_drafts_that_yield_less_than_expected_are_expected_less() -> None:
+    """The policy compares what each kept draft was expected to add with what was accepted
+    (``Realism``): drafts that keep yielding half their expectation are then priced at half,
+    and a batch where they paid on paper stops speculating; drafts that beat it raise the
+    expectation, by at most ``REALISM_MAX``."""
+    batch = 16
+    policy = Policy(PolicyConfig(kind="adaptive", k=8, objective="throughput", look_cost=0.0),
+                    cost_table(batch, per_token=0.5))
+    for row in range(batch):
+        policy.begin(row)
+        _evidence(policy, row, 20, accepted=8)  # alpha ~0.95: every row's drafts look good
+    drafts = [Draft.chain([5])] * batch  # one token each: expected 1.95 tokens for 1.5 the cost
+    assert policy.realism.factor == 1.0 and policy.batch_depth(drafts, batch) == 1
+    for _ in range(30):  # kept drafts, of which only every other row's token is accepted
+        kept = policy.trim(drafts, batch)
+        assert set(policy.expected_extra) == {row for row, d in enumerate(kept) if len(d)}
+        for row, d in enumerate(kept):
+            if len(d):
+                policy.observe(row, d, Acceptance((0,) if row % 2 else (), (5,) if row % 2 else (1,)))
+        if not any(len(d) for d in kept):
+            break
+    assert policy.realism.factor < 0.75 and policy.batch_depth(drafts, batch) == 0
+    policy.realism = Realism()  # the rows' alphas alone would still draft: the realism decided
+    assert policy.batch_depth(drafts, batch) == 1
+    r = Realism()
+    for _ in range(50):
+        r.observe(expected=1.0, accepted=3)
+    assert r.factor == REALISM_MAX and r.scale(3.0) == 1.0 + REALISM_MAX * 2.0
 
 
 def test_static_batch_policy_follows_its_slowest_row() -> None:

@@ -81,8 +81,8 @@ from specdraft.draft import Draft
 from specdraft.errors import SpecdraftError
 from specdraft.policy.config import PolicyConfig
 from specdraft.policy.cost import CostModel, ProposeCost
-from specdraft.policy.evidence import (LABEL_DECAY, PROBE_GAP_MAX, Evidence, Hold, decay_add, expected_tokens,
-                                       progress)
+from specdraft.policy.evidence import (LABEL_DECAY, PROBE_GAP_MAX, Evidence, Hold, Realism, decay_add,
+                                       expected_tokens, progress)
 from specdraft.policy.scored import Calibration, Outlook
 
 HORIZON_TOKENS = 64  # tokens a row is assumed to have left when the caller does not say
@@ -109,11 +109,13 @@ class Policy:
         self.outlooks: dict[int, Outlook] = {}  # per row: what its confident drafts were expected to yield
         self.pooled_outlook = Outlook()  # the same across requests (where a new request starts)
         self.since_full = 0  # drafting steps since the last one with the whole budget k (scored drafts)
+        self.realism = Realism()  # unscored drafts: the extra tokens expected against those accepted
+        self.expected_extra: dict[int, float] = {}  # row -> what its kept draft was expected to add (this step)
 
     # what the policy has learned (per row and across requests), without the cost model
     _MEMORY = ("evidence", "by_label", "pooled", "holds", "idle_steps", "probing", "probe_gap", "probe_paid",
                "looking", "propose_costs", "calibration", "outlooks", "pooled_outlook",
-               "since_full")
+               "since_full", "realism", "expected_extra")
 
     def snapshot(self) -> dict[str, object]:
         """A copy of what the policy has learned, for ``restore``: a benchmark's repeats each
@@ -194,7 +196,7 @@ class Policy:
         live = [row for row, c in enumerate(caps) if c > 0]
         left = [remaining[row] if remaining is not None else HORIZON_TOKENS for row in live]
         q_max = 1 + self.config.k
-        steps = max(r / expected_tokens(self.alpha(row), min(k, caps[row])) for row, r in zip(live, left))
+        steps = max(r / self.realism.scale(expected_tokens(self.alpha(row), min(k, caps[row]))) for row, r in zip(live, left))
         spec = setup + steps * (self.cost.latency(batch, 1 + k, q_max) + self.proposing(batch, k))
         return spec * self.bar < max(left) * self.cost.latency(batch, 1, q_max)
 
@@ -261,7 +263,7 @@ class Policy:
         left = None if remaining is None else [remaining[row] for row in live]
         best, best_rate = 0, 0.0
         for k in range(0, self.config.k + 1):
-            gain = progress([expected_tokens(a, min(k, c)) for a, c in alphas], left)
+            gain = progress([self.realism.scale(expected_tokens(a, min(k, c))) for a, c in alphas], left)
             cost = self.cost.latency(batch, 1 + k, q_max) + self.proposing(batch, k)
             rate = gain / cost * (self.bar if k == 0 else 1.0)
             if rate > best_rate:
@@ -299,6 +301,8 @@ class Policy:
             self.holds[row].observe(acceptance.accepted, self.config.stop_after, self.config.probe_every)
         if self.probing and acceptance.accepted > 0:
             self.probe_paid = True
+        if row in self.expected_extra:  # a draft whose yield trim() expected
+            self.realism.observe(self.expected_extra.pop(row), acceptance.accepted)
         if draft.label:
             e = self.by_label.setdefault(draft.label, Evidence())
             decay_add(e, LABEL_DECAY, acceptance.accepted, rejected)
@@ -335,7 +339,13 @@ class Policy:
             size = self.batch_depth(out, batch, live, self._remaining(remaining))
         if self.looking and any(len(d) for d in out):  # the budget was not gated: gate here
             size = self._gate(size, batch)
-        return [d.top(size) if d.confidence is not None else d.up_to_depth(size) for d in out]
+        kept = [d.top(size) if d.confidence is not None else d.up_to_depth(size) for d in out]
+        if not scored and not self.probing:
+            on = [True] * len(kept) if live is None else live
+            self.realism.decay(LABEL_DECAY)
+            self.expected_extra = {row: expected_tokens(self._draft_alpha(row, d), max(d.depths())) - 1.0
+                                   for row, (d, o) in enumerate(zip(kept, on)) if o and len(d)}
+        return kept
 
     def _expect(self, drafts: Seq[Draft]) -> list[list[float]]:
         """Each draft's calibrated expected yield per number of nodes kept (``scored``), scaled
@@ -382,7 +392,8 @@ class Policy:
                 out.append(d)
                 continue
             depths = d.depths()
-            rate = [expected_tokens(alpha, k) / self.cost.latency(batch, 1 + sum(x <= k for x in depths), 1 + self.config.k)
+            rate = [self.realism.scale(expected_tokens(alpha, k))
+                    / self.cost.latency(batch, 1 + sum(x <= k for x in depths), 1 + self.config.k)
                     * (self.bar if k == 0 else 1.0) for k in range(max(depths) + 1)]
             out.append(d.up_to_depth(max(range(len(rate)), key=rate.__getitem__)))
         return out
@@ -406,7 +417,7 @@ class Policy:
         left = None if remaining is None else [r for r, on in zip(remaining, live) if on]
         best, best_rate = 0, self.bar * progress([1.0] * len(rows), left) / self.cost.latency(batch, 1, 1 + self.config.k)
         for k in range(1, deepest + 1):
-            gain = progress([expected_tokens(a, min(k, depth)) for a, depth in rows], left)
+            gain = progress([self.realism.scale(expected_tokens(a, min(k, depth))) for a, depth in rows], left)
             width = max(bisect_right(ds, k) for ds in depths)  # nodes kept by the widest row
             rate = gain / self.cost.latency(batch, 1 + width, 1 + self.config.k)
             if rate > best_rate:

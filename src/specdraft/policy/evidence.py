@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 PROBE_GAP_MAX = 64  # the longest wait between probes (steps), after probes that found nothing
 LABEL_DECAY = 0.98  # per-label evidence is pooled over many requests: it may remember longer
+REALISM_MAX = 1.5  # drafts that beat the chain model's expectation raise it by at most this factor
 
 def progress(expected: Seq[float], remaining: Seq[int] | None) -> float:
     """How fast a batch moves in one step where live row i emits expected[i] tokens: the sum
@@ -66,3 +67,35 @@ class Hold:
 def decay_add(e: Evidence, decay: float, accepted: float, rejected: float) -> None:
     e.accepted = decay * e.accepted + accepted
     e.rejected = decay * e.rejected + rejected
+
+
+@dataclass(slots=True)
+class Realism:
+    """Decayed sums of the extra tokens the policy expected from the drafts it kept (each step's
+    chosen depth, per ``expected_tokens``) and of those the target accepted. Their ratio scales
+    what later drafts are expected to add: the chain model (every position accepted with the
+    same alpha, the evidence of whichever labels happen to draft) is optimistic where drafts are
+    selected for looking good, and a step that is priced as a gain must be one."""
+
+    expected: float = 0.0
+    accepted: float = 0.0
+    prior: float = 2.0  # tokens of evidence that the model is right (before any)
+
+    def decay(self, decay: float) -> None:
+        """One step older."""
+        self.expected *= decay
+        self.accepted *= decay
+
+    def observe(self, expected: float, accepted: int) -> None:
+        """A kept draft was expected to add ``expected`` tokens; ``accepted`` were."""
+        self.expected += expected
+        self.accepted += accepted
+
+    @property
+    def factor(self) -> float:
+        """Accepted per expected extra token (1 before any evidence; at most ``REALISM_MAX``)."""
+        return min((self.accepted + self.prior) / (self.expected + self.prior), REALISM_MAX)
+
+    def scale(self, expected: float) -> float:
+        """Tokens per pass ``expected`` by the model, corrected: 1 + factor x the extra ones."""
+        return 1.0 + self.factor * (expected - 1.0)
