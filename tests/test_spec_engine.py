@@ -989,6 +989,34 @@ def test_drafts_that_yield_less_than_expected_are_expected_less() -> None:
     assert r.factor == REALISM_MAX and r.scale(3.0) == 1.0 + REALISM_MAX * 2.0
 
 
+def test_a_probe_pays_only_if_its_accepted_tokens_repay_its_wider_forward() -> None:
+    """At batch 16 a 1-token probe costs 1.5 plain steps: one row accepting its token does not
+    repay it (the next probe waits twice as long); 8 rows accepting do (the wait resets)."""
+    batch = 16
+    policy = Policy(PolicyConfig(kind="adaptive", k=8, probe_every=4, look_cost=0.0), cost_table(batch, per_token=0.5))
+    for row in range(batch):
+        policy.begin(row)
+        _evidence(policy, row, 30, accepted=1, depth=4)  # alpha 0.5: speculation is off, only probes draft
+
+    def probe(accepting_rows: int) -> int:
+        """Step until the next probe, verify it with that many rows accepting; the gap after."""
+        for _ in range(PROBE_GAP_MAX + 1):
+            if policy.budgets([1] * batch, batch)[0] > 0:
+                break
+            policy.trim([Draft.empty()] * batch, batch)
+        assert policy.probing
+        kept = policy.trim([Draft.chain([7])] * batch, batch)
+        for row in range(batch):
+            ok = row < accepting_rows
+            policy.observe(row, kept[row], Acceptance((0,) if ok else (), (7, 1) if ok else (1,)))
+        policy.budgets([0] * batch, batch)  # settles the probe
+        return policy.probe_gap
+
+    assert policy.probe_gap == 4
+    assert probe(1) == 8 and probe(1) == 16  # accepted, but not repaid
+    assert probe(8) == 4  # 8 tokens for half a step's more cost: repaid
+
+
 def test_static_batch_policy_follows_its_slowest_row() -> None:
     """In a static batch the slowest row sets the end: with one row that never accepts and as
     much left to do as the others, speculating only adds cost (0 drafts, and every draft cut);

@@ -26,9 +26,10 @@ switches itself off there.
 While off, the policy probes (drafts up to ``probe_k`` tokens after ``probe_every`` idle steps)
 only where a probe is cheap (its forward and its drafting together cost at most ``probe_cost``
 plain steps; a costly proposer probes with fewer tokens, or not at all), so that a request whose
-text becomes predictable again is noticed. A probe that no row accepts
-any of doubles the wait before the next (up to ``PROBE_GAP_MAX`` steps); one that pays resets
-it: on traffic that never accepts, probing costs little.
+text becomes predictable again is noticed. A probe that is not repaid (its rows accepted fewer
+tokens than its wider forward cost more than a plain one: at a large batch one accepted token is
+not enough) doubles the wait before the next (up to ``PROBE_GAP_MAX`` steps); one that pays
+resets it: on traffic where speculation does not pay, probing costs little.
 
 Each request also keeps its own brake, whatever the pooled and label evidence say: once its
 last ``stop_after`` drafts all had no token accepted, the row stops drafting for
@@ -102,7 +103,8 @@ class Policy:
         self.idle_steps = 0  # consecutive steps the adaptive policy chose not to speculate
         self.probing = False  # the last budgets() call was a probe
         self.probe_gap = config.probe_every  # idle steps before the next probe
-        self.probe_paid = False  # some row accepted a token of the current probe
+        self.probe_gain = 0.0  # tokens the current probe's drafts had accepted
+        self.probe_needs = 0.0  # ...that it needed to match plain decoding's rate (set by trim())
         self.looking = False  # this step drafts first and is gated in trim() (cheap proposer)
         self.propose_costs: dict[int, ProposeCost] = {}  # per batch size: the proposer's time against its budget
         self.calibration: dict[str, Calibration] = {}  # draft label -> its confidences against outcomes
@@ -113,7 +115,8 @@ class Policy:
         self.expected_extra: dict[int, float] = {}  # row -> what its kept draft was expected to add (this step)
 
     # what the policy has learned (per row and across requests), without the cost model
-    _MEMORY = ("evidence", "by_label", "pooled", "holds", "idle_steps", "probing", "probe_gap", "probe_paid",
+    _MEMORY = ("evidence", "by_label", "pooled", "holds", "idle_steps", "probing", "probe_gap", "probe_gain",
+               "probe_needs",
                "looking", "propose_costs", "calibration", "outlooks", "pooled_outlook",
                "since_full", "realism", "expected_extra")
 
@@ -203,9 +206,10 @@ class Policy:
     def _settle_probe(self) -> None:
         """After a probe step: the next probe comes sooner if it paid, later if not."""
         if self.probing:
-            paid = self.probe_paid
+            paid = self.probe_gain > 0 and self.probe_gain >= self.probe_needs
             self.probe_gap = self.config.probe_every if paid else min(2 * self.probe_gap, PROBE_GAP_MAX)
-            self.probing = self.probe_paid = False
+            self.probing = False
+            self.probe_gain = self.probe_needs = 0.0
 
     def _gate(self, best: int, batch: int, setup: float = 0.0) -> int:
         """``best`` (the chosen draft length) or, after ``probe_gap`` idle steps in a row, a
@@ -299,8 +303,8 @@ class Policy:
         scored = draft.confidence is not None
         if self.config.kind == "adaptive" and not scored:  # (the fixed policy always drafts k)
             self.holds[row].observe(acceptance.accepted, self.config.stop_after, self.config.probe_every)
-        if self.probing and acceptance.accepted > 0:
-            self.probe_paid = True
+        if self.probing:
+            self.probe_gain += acceptance.accepted
         if row in self.expected_extra:  # a draft whose yield trim() expected
             self.realism.observe(self.expected_extra.pop(row), acceptance.accepted)
         if draft.label:
@@ -332,6 +336,7 @@ class Policy:
         if scored:
             gains = self._expect(out)
         if self.probing:
+            self.probe_needs = self._probe_needs(out, batch, live)
             return out
         if scored:
             size = self.batch_size_scored(out, gains, batch, live, self._remaining(remaining))
@@ -340,12 +345,26 @@ class Policy:
         if self.looking and any(len(d) for d in out):  # the budget was not gated: gate here
             size = self._gate(size, batch)
         kept = [d.top(size) if d.confidence is not None else d.up_to_depth(size) for d in out]
-        if not scored and not self.probing:
+        if self.probing:  # the gate just chose a probe (a cheap proposer's)
+            self.probe_needs = self._probe_needs(kept, batch, live)
+        elif not scored:
             on = [True] * len(kept) if live is None else live
             self.realism.decay(LABEL_DECAY)
             self.expected_extra = {row: expected_tokens(self._draft_alpha(row, d), max(d.depths())) - 1.0
                                    for row, (d, o) in enumerate(zip(kept, on)) if o and len(d)}
         return kept
+
+    def _probe_needs(self, drafts: Seq[Draft], batch: int, live: Seq[bool] | None) -> float:
+        """The accepted tokens with which a probe of these drafts runs at plain decoding's rate:
+        its live rows times the share its forward costs more than a plain one. A probe that
+        gets fewer is not repaid (the next one waits longer) even if some row accepted: at a
+        large batch one accepted token does not pay for a wider forward."""
+        assert self.cost is not None
+        q_max = 1 + self.config.k
+        width = max((len(d) for d in drafts), default=0)
+        rows = sum(live) if live is not None else len(drafts)
+        ratio = self.cost.latency(batch, 1 + width, q_max) / self.cost.latency(batch, 1, q_max)
+        return rows * (ratio - 1.0)
 
     def _expect(self, drafts: Seq[Draft]) -> list[list[float]]:
         """Each draft's calibrated expected yield per number of nodes kept (``scored``), scaled
