@@ -99,13 +99,15 @@ def cost_table(batch: int, per_token: float = 0.001, k: int = 8) -> CostModel:
 
 
 def spec_engine(loaded: LoadedModel, proposer: Proposer, k: int, policy: str = "fixed", batch: int = 1,
-                stop_after: int | None = None) -> Engine:
+                stop_after: int | None = None, margin: float | None = None) -> Engine:
     cost = cost_table(batch, k=k) if policy == "adaptive" else None
     # throughput: keep drafting for the rows that can while others cannot, so that the ragged
     # batches of the equivalence tests accept enough to mean something
     config = PolicyConfig(kind=policy, k=k, objective="throughput")
     if stop_after is not None:  # the row's brake (default: the policy's)
         config = dataclasses.replace(config, stop_after=stop_after)
+    if margin is not None:  # the share by which speculation must beat plain (default: the policy's)
+        config = dataclasses.replace(config, margin=margin)
     return Engine(loaded.model, loaded.tokenizer, proposer, Policy(config, cost))
 
 
