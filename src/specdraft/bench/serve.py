@@ -87,6 +87,11 @@ class Cell:
     drafted: float = 0.0
     accepted: float = 0.0
     rounds: int = 1
+    round_throughput: list[float] = field(default_factory=list)  # tok/s of each round, in order
+
+    def __post_init__(self) -> None:
+        if not self.round_throughput and self.seconds > 0:
+            self.round_throughput = [self.throughput]
 
     @property
     def tau(self) -> float | None:
@@ -100,6 +105,7 @@ class Cell:
         """Pool another round of the same cell into this one."""
         for name in ("requests", "seconds", "tokens", "errors", "passes", "emitted", "drafted", "accepted", "rounds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.round_throughput += other.round_throughput
         self.ttft += other.ttft
         self.itl += other.itl
         self.tpot += other.tpot
@@ -114,7 +120,8 @@ class Cell:
                 "seconds": self.seconds, "tokens": self.tokens, "throughput": self.throughput,
                 "ttft_p50": _pct(self.ttft, 50), "ttft_p99": _pct(self.ttft, 99),
                 "itl_p50": _pct(self.itl, 50), "itl_p99": _pct(self.itl, 99), "tpot_p50": _pct(self.tpot, 50),
-                "tau": self.tau, "acceptance": self.acceptance, "rounds": self.rounds}
+                "tau": self.tau, "acceptance": self.acceptance, "rounds": self.rounds,
+                "round_throughput": self.round_throughput}
 
 
 def _pct(values: list[float], q: float) -> float | None:

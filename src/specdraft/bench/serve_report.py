@@ -18,6 +18,17 @@ def _speedup(cell: dict[str, Any], cells: list[dict[str, Any]]) -> float | None:
     return cell["throughput"] / plain[0]["throughput"]
 
 
+def _round_speedups(cell: dict[str, Any], cells: list[dict[str, Any]]) -> str:
+    """Each round's speedup over plain serving's same round ("-" for one round): rounds are
+    interleaved, so a pair ran minutes apart and their spread shows the machine's noise."""
+    plain = [c for c in cells if c["engine"] == "specdraft:plain" and c["workload"] == cell["workload"]
+             and c["concurrency"] == cell["concurrency"]]
+    ours, base = cell.get("round_throughput", []), plain[0].get("round_throughput", []) if plain else []
+    if len(ours) < 2 or len(ours) != len(base) or not all(base):
+        return "-"
+    return " / ".join(f"{a / b:.2f}" for a, b in zip(ours, base))
+
+
 def _ms(x: float | None) -> str:
     return "-" if x is None else f"{1000 * x:.0f}"
 
@@ -36,19 +47,20 @@ def write_serve_report(folder: Path, results: dict[str, Any] | None = None) -> P
              f"Machine: {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores; server threads: "
              f"{cfg.get('threads') or 'torch default'}.", "",
              "Throughput is output tokens per second of wall time over the cell; speedup is over specdraft's plain "
-             "serving at the same concurrency; TTFT and ITL (gap between streamed chunks) in ms; tau = tokens per "
+             "serving at the same concurrency (pooled over rounds; by round: each round against plain's same "
+             "round); TTFT and ITL (gap between streamed chunks) in ms; tau = tokens per "
              "target pass per row (from the server's /metrics).", ""]
     for workload in dict.fromkeys(c["workload"] for c in cells):
         rows = []
         for c in (c for c in cells if c["workload"] == workload):
             sp = _speedup(c, cells)
             rows.append([c["engine"], c["concurrency"], c["requests"], f"{c['throughput']:.1f}",
-                         "-" if sp is None else f"{sp:.2f}x", _ms(c["ttft_p50"]), _ms(c["ttft_p99"]),
-                         _ms(c["itl_p50"]), _ms(c["itl_p99"]), _ms(c["tpot_p50"]),
+                         "-" if sp is None else f"{sp:.2f}x", _round_speedups(c, cells), _ms(c["ttft_p50"]),
+                         _ms(c["ttft_p99"]), _ms(c["itl_p50"]), _ms(c["itl_p99"]), _ms(c["tpot_p50"]),
                          "-" if c["tau"] is None else f"{c['tau']:.2f}", c["errors"]])
         lines += [f"## {workload}", "", format_table(
-            ["engine", "conc.", "requests", "tok/s", "speedup", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99",
-             "TPOT p50", "tau", "errors"], rows), ""]
+            ["engine", "conc.", "requests", "tok/s", "speedup", "by round", "TTFT p50", "TTFT p99", "ITL p50",
+             "ITL p99", "TPOT p50", "tau", "errors"], rows), ""]
     if results.get("notes"):
         lines += ["## Notes", ""] + [f"- {n}" for n in results["notes"]] + [""]
     plots = write_serve_plots(folder, cells)
