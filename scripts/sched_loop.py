@@ -43,8 +43,11 @@ def main() -> None:
     steps: collections.Counter[int] = collections.Counter()  # batch bucket -> steps
     spec: collections.Counter[int] = collections.Counter()  # ... that drafted
     drafted = [0]
+    occupancy = [0, 0]  # rows computed, rows generating (summed over steps)
 
-    def on_step(rows: int, _running: list[Request]) -> None:
+    def on_step(rows: int, running_now: list[Request]) -> None:
+        occupancy[0] += rows
+        occupancy[1] += len(running_now)
         bucket = rows // 8 * 8
         steps[bucket] += 1
         spec[bucket] += sched.stats.proposed > drafted[0]
@@ -75,7 +78,9 @@ def main() -> None:
     print(f"{args.method} {args.workload} c={args.concurrency}: {done} requests, {tokens / elapsed:.1f} tok/s "
           f"({elapsed:.1f} s: prefill {s.prefill_s:.1f}, propose {s.propose_s:.1f}, verify {s.verify_s:.1f}, "
           f"other {s.other_s:.1f})")
-    print(f"tau {s.emitted / max(1, s.steps):.2f}, drafted {s.proposed}, accepted {s.accepted}")
+    print(f"tau {s.emitted / max(1, s.steps):.2f}, drafted {s.proposed}, accepted {s.accepted}; per step "
+          f"{occupancy[0] / max(1, sum(steps.values())):.1f} rows computed, "
+          f"{occupancy[1] / max(1, sum(steps.values())):.1f} generating")
     print("steps by batch size (speculative / all):",
           ", ".join(f"{b}-{b + 7}: {spec[b]}/{n}" for b, n in sorted(steps.items())))
     policy = engine.policy
