@@ -10,20 +10,24 @@ from typing import Any
 from specdraft.bench.machine import format_table
 
 
+def _plain_of(cell: dict[str, Any], cells: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """specdraft's plain serving cell at the same workload and concurrency, if it ran."""
+    return next((c for c in cells if c["engine"] == "specdraft:plain" and c["workload"] == cell["workload"]
+                 and c["concurrency"] == cell["concurrency"]), None)
+
+
 def _speedup(cell: dict[str, Any], cells: list[dict[str, Any]]) -> float | None:
-    plain = [c for c in cells if c["engine"] == "specdraft:plain" and c["workload"] == cell["workload"]
-             and c["concurrency"] == cell["concurrency"]]
-    if not plain or not plain[0]["throughput"]:
+    plain = _plain_of(cell, cells)
+    if plain is None or not plain["throughput"]:
         return None
-    return cell["throughput"] / plain[0]["throughput"]
+    return cell["throughput"] / plain["throughput"]
 
 
 def _round_speedups(cell: dict[str, Any], cells: list[dict[str, Any]]) -> str:
     """Each round's speedup over plain serving's same round ("-" for one round): rounds are
     interleaved, so a pair ran minutes apart and their spread shows the machine's noise."""
-    plain = [c for c in cells if c["engine"] == "specdraft:plain" and c["workload"] == cell["workload"]
-             and c["concurrency"] == cell["concurrency"]]
-    ours, base = cell.get("round_throughput", []), plain[0].get("round_throughput", []) if plain else []
+    plain = _plain_of(cell, cells)
+    ours, base = cell.get("round_throughput", []), plain.get("round_throughput", []) if plain else []
     if len(ours) < 2 or len(ours) != len(base) or not all(base):
         return "-"
     return " / ".join(f"{a / b:.2f}" for a, b in zip(ours, base))
