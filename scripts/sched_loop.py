@@ -29,11 +29,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-pack", action="store_true", help="leave finished requests' slots as holes")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     loaded = load(dtype=args.dtype)
     engine = build_engine(loaded, args.method)
-    sched = Scheduler(engine, SchedulerConfig(max_batch=64, max_queue=256, row_capacity=1024))
+    sched = Scheduler(engine, SchedulerConfig(max_batch=64, max_queue=256, row_capacity=1024, pack=not args.no_pack))
     if engine.speculative and engine.policy.config.kind == "adaptive":
         for b in sched.config.batch_grid:
             engine.policy.prepare(b)
@@ -43,11 +44,14 @@ def main() -> None:
     steps: collections.Counter[int] = collections.Counter()  # batch bucket -> steps
     spec: collections.Counter[int] = collections.Counter()  # ... that drafted
     drafted = [0]
-    occupancy = [0, 0]  # rows computed, rows generating (summed over steps)
+    occupancy = {"steady": [0, 0, 0, 0], "tail": [0, 0, 0, 0]}  # steps, rows computed, generating, joining
 
     def on_step(rows: int, running_now: list[Request]) -> None:
-        occupancy[0] += rows
-        occupancy[1] += len(running_now)
+        phase = occupancy["steady" if sent < args.requests else "tail"]
+        phase[0] += 1
+        phase[1] += rows
+        phase[2] += len(running_now)
+        phase[3] += len(sched.joining)
         bucket = rows // 8 * 8
         steps[bucket] += 1
         spec[bucket] += sched.stats.proposed > drafted[0]
@@ -78,9 +82,12 @@ def main() -> None:
     print(f"{args.method} {args.workload} c={args.concurrency}: {done} requests, {tokens / elapsed:.1f} tok/s "
           f"({elapsed:.1f} s: prefill {s.prefill_s:.1f}, propose {s.propose_s:.1f}, verify {s.verify_s:.1f}, "
           f"other {s.other_s:.1f})")
-    print(f"tau {s.emitted / max(1, s.steps):.2f}, drafted {s.proposed}, accepted {s.accepted}; per step "
-          f"{occupancy[0] / max(1, sum(steps.values())):.1f} rows computed, "
-          f"{occupancy[1] / max(1, sum(steps.values())):.1f} generating")
+    print(f"tau {s.emitted / max(1, s.steps):.2f}, drafted {s.proposed}, accepted {s.accepted}, "
+          f"rows moved {sched.counters.moved}")
+    for name, (n, computed, generating, joining) in occupancy.items():
+        print(f"  {name} ({'requests still to send' if name == 'steady' else 'the last ones draining'}): {n} steps, "
+              f"per step {computed / max(1, n):.1f} rows computed, {generating / max(1, n):.1f} generating, "
+              f"{joining / max(1, n):.1f} joining")
     print("steps by batch size (speculative / all):",
           ", ".join(f"{b}-{b + 7}: {spec[b]}/{n}" for b, n in sorted(steps.items())))
     policy = engine.policy

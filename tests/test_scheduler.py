@@ -86,7 +86,8 @@ def test_a_cancelled_request_frees_its_slot_at_once(tiny):
     assert long.slot == 0 and scheduler.counters.last_step_rows == 2
     scheduler.cancel(long)
     scheduler.run_once()
-    assert long.slot is None and scheduler.rows[0] is None
+    assert long.slot is None and long not in scheduler.rows
+    assert scheduler.rows[0] in (None, other)  # the other request moved down into the freed slot
     assert events[-1].finished and events[-1].finish_reason == "cancelled"
     assert scheduler.counters.cancelled == 1
     # the next step ran the other row only if it is still going; once it is done, no step runs
@@ -108,6 +109,71 @@ def test_last_running_slot_bounds_the_step(tiny):
         scheduler.run_once()
     assert first.slot == 0 and not first.seq.finished
     assert scheduler.counters.last_step_rows == 1
+
+
+class _Recorder:
+    """Passes a proposer through and records every draft it makes, per request (sequence)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.drafts: dict[int, list[tuple[int, ...]]] = {}  # id(seq) -> its drafts' tokens, in order
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def propose(self, seqs, budgets, cache):
+        drafts = self.inner.propose(seqs, budgets, cache)
+        for seq, draft in zip(seqs, drafts):
+            if seq is not None:
+                self.drafts.setdefault(id(seq), []).append(draft.tokens)
+        return drafts
+
+
+def _engine(tiny, tiny_hf, method: str) -> Engine:
+    """A fresh engine (no memory of earlier outputs) for ``method`` whose proposer records its
+    drafts, each a function of the row's context and state only (fixed policy)."""
+    e = _built(tiny, tiny_hf, method)
+    return Engine(e.model, e.tokenizer, _Recorder(e.proposer), e.policy)
+
+
+def _built(tiny, tiny_hf, method: str) -> Engine:
+    if method == "mtp":
+        from specdraft.policy import Policy, PolicyConfig
+        from specdraft.proposers.base import ProposerContext
+        from specdraft.proposers.feature_heads import EagleOptions, FeatureHeadProposer
+        from test_eagle import random_head
+
+        proposer = FeatureHeadProposer(random_head(tiny, kind="mtp"), ProposerContext(tiny.model, tiny.tokenizer),
+                                       EagleOptions(depth=3, topk=2), "mtp")
+        return Engine(tiny.model, tiny.tokenizer, proposer, Policy(PolicyConfig(kind="fixed", k=4)))
+    options = {"draft": {"path": str(tiny_hf)}, "layer-skip": {"layers": 1}}.get(method)
+    return build_engine(tiny, method, k=4, policy="fixed", options=options)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "lookahead", "draft", "mtp", "layer-skip"])
+def test_packing_moves_each_rows_state_with_its_request(tiny, tiny_hf, method):
+    """Short requests leave holes below running ones, which move down into them: every request
+    gets the same output and the very same drafts as without packing, so the proposer's and the
+    policy's per-row state moved with it; steps compute fewer rows."""
+    cfgs = [GenerationConfig(max_new_tokens=n, ignore_eos=True) for n in (24, 3, 4, 30, 26, 5)]
+    p = prompts(tiny)
+    runs = {}
+    for pack in (False, True):
+        scheduler = Scheduler(_engine(tiny, tiny_hf, method), SchedulerConfig(max_batch=4, row_capacity=96, pack=pack))
+        requests, _ = run(scheduler, [(0, p[i], cfgs[i], Sampling()) for i in range(4)]
+                          + [(6, p[i], cfgs[i], Sampling()) for i in (4, 5)])
+        drafts = scheduler.engine.proposer.drafts
+        runs[pack] = ([(r.seq.output, drafts[id(r.seq)]) for r in requests], requests, scheduler.counters)
+    (unpacked_runs, _, unpacked), (packed_runs, packed_reqs, packed) = runs[False], runs[True]
+    assert unpacked.moved == 0 and packed.moved >= 1
+    assert packed.rows_run < unpacked.rows_run
+    for i, ((out_a, drafts_a), (out_b, drafts_b)) in enumerate(zip(unpacked_runs, packed_runs)):
+        assert out_b == out_a, f"request {i}"
+        assert drafts_b == drafts_a, f"request {i}: its drafts changed when it moved"
+    assert sum(r.seq.stats.proposed for r in packed_reqs) > 0
+    if method == "draft":  # the draft cache's row moved too: a model drafting for itself is still always right
+        assert all(r.seq.stats.accepted == r.seq.stats.proposed for r in packed_reqs)
 
 
 def test_limits_refuse_with_one_line_errors(tiny):

@@ -11,9 +11,14 @@ iteration (``run_once``) it
    ``prefill_chunk`` in a small cache of their own (so one long prompt is spread over several
    iterations instead of stalling the running rows), then copies each finished prompt into its
    slot, draws its first token and adds the row to the running batch;
-4. runs one ``Engine.step`` (propose, verify, accept, commit, observe) over the slots up to
-   the last running one. Free slots below it are idle rows of that step (a dummy token each);
-   new requests take the lowest free slot, so holes fill first.
+4. packs the running rows: while a free slot lies below the last running request (nobody
+   waits for it), that request moves into it (its keys/values are copied, and the proposer's
+   and the policy's state for the row follow it: ``move``). Without this, a request that
+   finished early leaves a hole that every later step computes as an idle row; speculation,
+   which lets rows finish at different rates, leaves more of them;
+5. runs one ``Engine.step`` (propose, verify, accept, commit, observe) over the slots up to
+   the last running one. Free slots below it (holding joining requests) are idle rows of that
+   step (a dummy token each); new requests take the lowest free slot, so holes fill first.
 
 Events go to each request's ``on_event`` callback, on the scheduler's thread. ``submit`` and
 ``cancel`` may be called from any thread; ``run_once`` from one thread only.
@@ -51,13 +56,16 @@ class SchedulerConfig:
     row_capacity: positions per slot, prompt + output (None: the model's context, at most
     ``DEFAULT_ROW_CAPACITY``); the cache holds max_batch x row_capacity positions, which bounds
     the tokens in flight. prefill_tokens: prompt tokens fed between two decode steps (at least
-    one chunk). batch_grid: the batch sizes the adaptive policy's cost model is measured at."""
+    one chunk). pack: move running requests into free slots below them (module doc; only with
+    a proposer that implements ``move``). batch_grid: the batch sizes the adaptive policy's cost
+    model is measured at."""
 
     max_batch: int = 16
     max_queue: int = 256
     row_capacity: int | None = None
     prefill_chunk: int = PREFILL_CHUNK
     prefill_tokens: int = PREFILL_CHUNK
+    pack: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_queue", "prefill_chunk", "prefill_tokens"):
@@ -134,6 +142,7 @@ class SchedulerCounters:
     prefill_tokens: int = 0
     finished: int = 0
     cancelled: int = 0
+    moved: int = 0  # running requests moved to a lower slot (packing)
     last_step_rows: int = 0  # rows the last step computed (0: none ran yet / idle)
 
 
@@ -240,6 +249,7 @@ class Scheduler:
         self._reap()
         self._admit()
         self._prefill()
+        self._pack()
         self._decode()
         self._reap()
         with self._lock:
@@ -352,6 +362,29 @@ class Scheduler:
         r.prefill = None
         self.last[slot] = token
         self._deliver(r)
+
+    @torch.inference_mode()
+    def _pack(self) -> None:
+        """Move the running request of the highest slot into the lowest free slot while one lies
+        below it (module doc, step 4)."""
+        if not self.config.pack or not hasattr(self.engine.proposer, "move"):
+            return
+        while True:
+            free = [i for i, r in enumerate(self.rows) if r is None]
+            running = [i for i, r in enumerate(self.rows) if r is not None and r.prefill is None]
+            if not free or not running or free[0] > running[-1]:
+                return
+            src, dst = running[-1], free[0]
+            r = self.rows[src]
+            assert r is not None
+            self.cache.move_row(src, dst)
+            self.engine.proposer.move(src, dst)  # type: ignore[attr-defined]
+            self.engine.policy.move(src, dst)
+            with self._lock:
+                self.rows[dst], self.rows[src] = r, None
+            self.last[dst], self.last[src] = self.last[src], 0
+            r.slot = dst
+            self.counters.moved += 1
 
     def _decode(self) -> None:
         """One engine step over the slots up to the last running one."""

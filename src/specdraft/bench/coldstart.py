@@ -39,7 +39,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.metrics import SpecStats
 from specdraft.model.kv_cache import KVCache
 from specdraft.model.loader import LoadedModel, load
-from specdraft.proposers.base import Proposer, Verified
+from specdraft.proposers.base import Proposer, Verified, move_key
 from specdraft.sequence import GenerationConfig, Sequence
 from specdraft.workloads import fit_messages, load_workload
 
@@ -80,6 +80,10 @@ class StepRecorder:
     def end(self, row: int) -> None:
         self.finished.append(self.rows.pop(row, []))
         self.inner.end(row)
+
+    def move(self, src: int, dst: int) -> None:
+        move_key(self.rows, src, dst)
+        self.inner.move(src, dst)  # type: ignore[attr-defined]
 
     def memory_bytes(self) -> int:
         return self.inner.memory_bytes()

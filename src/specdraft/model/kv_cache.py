@@ -146,6 +146,14 @@ class KVCache:
             raise ValueError(f"head: {rows} rows of a cache of {self.batch_size}")
         return KVCache(self.k[:, :rows], self.v[:, :rows], self.lengths[:rows])
 
+    def move_row(self, src: int, dst: int) -> None:
+        """Move row ``src``'s committed positions into the free row ``dst`` and free ``src``
+        (the scheduler packs running requests into the lowest slots)."""
+        n = self.lengths[src]
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]  # [L, Hkv, n, D]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.lengths[dst], self.lengths[src] = n, 0
+
     def reset_row(self, row: int) -> None:
         """Free one row for a new request (continuous batching)."""
         self.lengths[row] = 0

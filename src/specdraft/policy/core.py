@@ -85,6 +85,7 @@ from specdraft.policy.cost import CostModel, ProposeCost
 from specdraft.policy.evidence import (LABEL_DECAY, PROBE_GAP_MAX, Evidence, Hold, Realism, decay_add,
                                        expected_tokens, progress)
 from specdraft.policy.scored import Calibration, Outlook
+from specdraft.proposers.base import move_key
 
 HORIZON_TOKENS = 64  # tokens a row is assumed to have left when the caller does not say
 PROBE_SETUP_SHARE = 0.02  # probes' setups may cost up to this share of the time between probes
@@ -151,6 +152,11 @@ class Policy:
         self.evidence.pop(row, None)
         self.holds.pop(row, None)
         self.outlooks.pop(row, None)
+
+    def move(self, src: int, dst: int) -> None:
+        """The row's request moved to row ``dst`` (the scheduler packs its slots)."""
+        for table in (self.evidence, self.holds, self.outlooks, self.expected_extra):
+            move_key(table, src, dst)
 
     def held(self, row: int) -> bool:
         """Whether the row's own recent drafts all failed (``stop_after`` in a row) and it is

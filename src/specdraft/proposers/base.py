@@ -9,7 +9,10 @@ The engine calls, for the rows of a batch (a row is a slot that holds one reques
 - ``observe(row, draft, acceptance, verified)`` after verification, with the target's
   logits and final hidden states at the root and every draft node, so the proposer can roll
   back its own state (a draft model's KV cache), learn, or adapt;
-- ``end(row)`` when the request leaves the row.
+- ``end(row)`` when the request leaves the row;
+- ``move(src, dst)`` (optional) between steps, when the scheduler packs a running request from
+  row ``src`` into the free row ``dst`` (the target's cache row has moved with it): the
+  proposer's per-row state follows. Without it, the scheduler never moves that proposer's rows.
 
 A proposer that learns across requests (suffix decoding's trie of earlier outputs) may also
 implement ``snapshot()`` and ``restore(snapshot)``, so that a benchmark's repeated runs of
@@ -145,5 +148,16 @@ class NoDraft:
     def end(self, row: int) -> None:
         pass
 
+    def move(self, src: int, dst: int) -> None:
+        pass
+
     def memory_bytes(self) -> int:
         return 0
+
+
+def move_key(table: dict, src: int, dst: int) -> None:
+    """``table[src]`` becomes ``table[dst]`` (a row's state follows its request; ``move``)."""
+    if src in table:
+        table[dst] = table.pop(src)
+    else:
+        table.pop(dst, None)

@@ -44,7 +44,7 @@ from specdraft.model.linear import Linear
 from specdraft.model.loader import LoadedModel, load
 from specdraft.model.transformer import Transformer
 from specdraft.proposers.autoregressive import Drafter, draft_chains, kept_on_chain
-from specdraft.proposers.base import ProposerContext, Verified
+from specdraft.proposers.base import ProposerContext, Verified, move_key
 from specdraft.sequence import Sequence
 
 DRAFT_DTYPES = ("float32", "bfloat16", "float16")
@@ -111,6 +111,12 @@ class DraftModelProposer:
     def end(self, row: int) -> None:
         self.capacity.pop(row, None)
         self._reset_row(row)
+
+    def move(self, src: int, dst: int) -> None:
+        move_key(self.capacity, src, dst)
+        move_key(self.pending, src, dst)
+        if self.cache is not None and src < self.cache.batch_size:
+            self.cache.move_row(src, dst)
 
     def _reset_row(self, row: int) -> None:
         self.pending.pop(row, None)

@@ -118,6 +118,9 @@ class FeatureHeadProposer:
     def end(self, row: int) -> None:
         self.rows.end(row)
 
+    def move(self, src: int, dst: int) -> None:
+        self.rows.move(src, dst, self.cache)
+
     # -- cost ---------------------------------------------------------------------------------
     def setup_seconds(self, seqs: Seq[Sequence | None]) -> list[float]:
         """Per row: the estimated time to feed its backlog before it can draft (0 under

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from specdraft.accept import Acceptance
 from specdraft.model.transformer import grouped_attention
-from specdraft.proposers.base import Features, Verified
+from specdraft.proposers.base import Features, Verified, move_key
 
 
 class HeadCache:
@@ -53,6 +53,12 @@ class HeadCache:
 
         return run
 
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        """Copy row ``src``'s first ``length`` entries to row ``dst`` (``PendingTaps.move``)."""
+        if src < self.k.shape[0] and length > 0:
+            self.k[dst, :, :length] = self.k[src, :, :length]  # [Hkv, length, D]
+            self.v[dst, :, :length] = self.v[src, :, :length]
+
     @property
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
@@ -88,6 +94,12 @@ class PendingTaps:
     def end(self, row: int) -> None:
         self.length.pop(row, None)
         self.pending.pop(row, None)
+
+    def move(self, src: int, dst: int, cache: HeadCache) -> None:
+        """The row's request moved from ``src`` to ``dst``: its state and head entries follow."""
+        cache.move_row(src, dst, self.length.get(src, 0))
+        move_key(self.length, src, dst)
+        move_key(self.pending, src, dst)
 
     def backlog(self, row: int) -> int:
         """Entries pending for the row (the next proposal feeds them)."""

@@ -106,6 +106,9 @@ class LayerSkipProposer:
     def end(self, row: int) -> None:
         self.rows.end(row)
 
+    def move(self, src: int, dst: int) -> None:
+        self.rows.move(src, dst, self.cache)  # without an adapter it drafts from the target's cache, which moved
+
     @torch.inference_mode()
     def propose(self, seqs: Seq[Sequence | None], budgets: Seq[int], cache: KVCache) -> list[Draft]:
         if not any(s is not None and b > 0 for s, b in zip(seqs, budgets)):

@@ -50,7 +50,7 @@ from specdraft.accept import Acceptance
 from specdraft.draft import Draft
 from specdraft.errors import SpecdraftError
 from specdraft.model.kv_cache import KVCache
-from specdraft.proposers.base import Verified
+from specdraft.proposers.base import Verified, move_key
 from specdraft.sequence import Sequence
 
 
@@ -229,6 +229,9 @@ class LookaheadProposer:
 
     def end(self, row: int) -> None:
         self.rows.pop(row, None)
+
+    def move(self, src: int, dst: int) -> None:
+        move_key(self.rows, src, dst)
 
     def memory_bytes(self) -> int:
         window = self.config.window * self.config.levels * 8

@@ -29,7 +29,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.heads.medusa import MedusaHeads, load_medusa
 from specdraft.heads.shipped import shipped_heads
 from specdraft.model.kv_cache import KVCache
-from specdraft.proposers.base import FeatureRequest, Features, ProposerContext, Verified
+from specdraft.proposers.base import FeatureRequest, Features, ProposerContext, Verified, move_key
 from specdraft.sequence import Sequence
 
 
@@ -94,6 +94,9 @@ class MedusaProposer:
 
     def end(self, row: int) -> None:
         self.state.pop(row, None)
+
+    def move(self, src: int, dst: int) -> None:
+        move_key(self.state, src, dst)
 
     def memory_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.heads.parameters())

@@ -18,7 +18,7 @@ from specdraft.accept import Acceptance
 from specdraft.draft import Draft
 from specdraft.errors import SpecdraftError
 from specdraft.model.kv_cache import KVCache
-from specdraft.proposers.base import Verified
+from specdraft.proposers.base import Verified, move_key
 from specdraft.sequence import Sequence
 
 
@@ -110,6 +110,9 @@ class NgramProposer:
 
     def end(self, row: int) -> None:
         self.index.pop(row, None)
+
+    def move(self, src: int, dst: int) -> None:
+        move_key(self.index, src, dst)
 
     def propose(self, seqs: Seq[Sequence | None], budgets: Seq[int], cache: KVCache) -> list[Draft]:
         drafts = []

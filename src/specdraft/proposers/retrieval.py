@@ -92,6 +92,9 @@ class RestProposer:
     def end(self, row: int) -> None:
         pass
 
+    def move(self, src: int, dst: int) -> None:
+        pass  # no per-row state
+
     def propose(self, seqs: Seq[Sequence | None], budgets: Seq[int], cache: KVCache) -> list[Draft]:
         c = self.config
         drafts = []

@@ -38,7 +38,7 @@ from specdraft.accept import Acceptance
 from specdraft.draft import Draft
 from specdraft.errors import SpecdraftError
 from specdraft.model.kv_cache import KVCache
-from specdraft.proposers.base import ProposerContext, Verified
+from specdraft.proposers.base import ProposerContext, Verified, move_key
 from specdraft.proposers.suffix_tree import INT_BYTES, MAX_TOKEN, Growth, SuffixTrie
 from specdraft.sequence import Sequence
 
@@ -158,6 +158,9 @@ class SuffixProposer:
         output = state.seq.output
         if output:
             self._remember(list(output))
+
+    def move(self, src: int, dst: int) -> None:
+        move_key(self.rows, src, dst)
 
     def _remember(self, output: list[int]) -> None:
         """Add a finished output to the global trie, then evict the oldest until it fits."""

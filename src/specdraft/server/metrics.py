@@ -98,6 +98,7 @@ class _SchedulerCollector(Collector):
         yield _counter("specdraft_decode_steps", "Decode steps (target passes over the batch)", c.steps)
         yield _counter("specdraft_rows_computed", "Rows computed over all decode steps", c.rows_run)
         yield _counter("specdraft_prefill_tokens", "Prompt tokens fed", c.prefill_tokens)
+        yield _counter("specdraft_rows_moved", "Running requests moved to a lower free slot (packing)", c.moved)
         st = s.stats
         method = self.metrics.method
         yield _counter("specdraft_generation_tokens", "Tokens emitted by decode steps", st.emitted, method)
