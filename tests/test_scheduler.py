@@ -9,7 +9,7 @@ from specdraft.api import build_engine
 from specdraft.engine import Engine
 from specdraft.errors import ContextOverflowError, SpecdraftError
 from specdraft.model.loader import load
-from specdraft.policy import CostModel
+from specdraft.policy import CostModel, measure_latency
 from specdraft.sampling import Sampling
 from specdraft.scheduler import Overloaded, Request, RequestEvent, Scheduler, SchedulerConfig
 from specdraft.sequence import GenerationConfig
@@ -199,6 +199,34 @@ def test_cost_model_prices_a_batch_at_the_next_grid_size():
     cost = CostModel(table={1: {1: 1.0, 9: 2.0}, 4: {1: 3.0, 9: 4.0}}, batch_grid=(1, 4))
     assert cost.latency(3, 1, 9) == 3.0 and cost.latency(4, 9, 9) == 4.0 and cost.latency(1, 9, 9) == 2.0
     assert SchedulerConfig(max_batch=12).batch_grid == (1, 2, 4, 8, 12)
+
+
+class _ClockedModel:
+    """Forwards that advance a fake clock: q tokens per row take q ms, and calls 3 to 7 (a slow
+    spell of a shared machine) take 50 ms more."""
+
+    def __init__(self, tiny) -> None:
+        self.tiny = tiny
+        self.device = tiny.model.device
+        self.config = tiny.config
+        self.now = 0.0
+        self.calls = 0
+
+    def new_cache(self, rows: int, capacity: int):
+        return self.tiny.model.new_cache(rows, capacity)
+
+    def __call__(self, tokens, positions, cache, logits: bool = True) -> None:
+        self.calls += 1
+        self.now += 1e-3 * tokens.shape[1] + (0.05 if 3 <= self.calls <= 7 else 0.0)
+
+
+def test_a_slow_spell_while_measuring_slows_no_token_count_alone(tiny):
+    """The token counts take turns: a slow spell lands on one forward of each, and the medians
+    keep the curve's true shape (measured one count after another, q=1 took all five slow
+    forwards and looked as costly as q=2 and 3 together)."""
+    model = _ClockedModel(tiny)
+    got = measure_latency(model, 2, [1, 2, 3], prefix=0, clock=lambda: model.now)
+    assert got == pytest.approx({1: 1e-3, 2: 2e-3, 3: 3e-3})
 
 
 def test_observed_forwards_correct_the_measured_cost_curve():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
@@ -131,10 +131,14 @@ def _interpolate(points: dict[int, float], q: int) -> float:
 
 
 @torch.inference_mode()
-def measure_latency(model: Transformer, batch: int, qs: Seq[int], prefix: int = 128, repeats: int = 5) -> dict[int, float]:
+def measure_latency(model: Transformer, batch: int, qs: Seq[int], prefix: int = 128, repeats: int = 5,
+                    clock: Callable[[], float] = time.perf_counter) -> dict[int, float]:
     """Median seconds of a forward over q new tokens per row after ``prefix`` cached tokens.
     Measured within the model's context: the prefix shrinks (and the widest q is capped) so
-    that prefix + q never passes it."""
+    that prefix + q never passes it. The token counts take turns, one forward each per round
+    (after a warm-up round): a slow spell of a shared machine then slows every count alike
+    instead of the one measured during it, so the curve's shape, which decides how much
+    speculation pays, survives it."""
     device = model.device
     limit = model.config.max_context
     qs = sorted({min(q, limit) for q in qs})
@@ -144,21 +148,19 @@ def measure_latency(model: Transformer, batch: int, qs: Seq[int], prefix: int = 
     if prefix:
         model(torch.randint(0, vocab, (batch, prefix), device=device),
               torch.arange(prefix, device=device).expand(batch, prefix), cache, logits=False)
-    out: dict[int, float] = {}
-    for q in qs:
-        tokens = torch.randint(0, vocab, (batch, q), device=device)
-        positions = (prefix + torch.arange(q, device=device)).expand(batch, q)
-        times = []
-        for i in range(repeats + 1):
-            t0 = time.perf_counter()
-            model(tokens, positions, cache)
+    inputs = {q: (torch.randint(0, vocab, (batch, q), device=device),  # [B, q]
+                  (prefix + torch.arange(q, device=device)).expand(batch, q)) for q in qs}  # [B, q]
+    times: dict[int, list[float]] = {q: [] for q in qs}
+    for i in range(repeats + 1):
+        for q in qs:
+            t0 = clock()
+            model(*inputs[q], cache)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             cache.truncate(prefix)
-            if i:  # the first run is a warm-up
-                times.append(time.perf_counter() - t0)
-        out[q] = statistics.median(times)
-    return out
+            if i:  # the first round is a warm-up
+                times[q].append(clock() - t0)
+    return {q: statistics.median(t) for q, t in times.items()}
 
 
 @dataclass(slots=True)
