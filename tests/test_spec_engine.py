@@ -811,6 +811,29 @@ def test_ngram_greedy_equals_plain_on_the_default_model() -> None:
     assert stats.accepted > 0
 
 
+class _CatchingUp(NgramProposer):
+    """An n-gram proposer that reports every proposal as spent catching up (``setup_spent``)."""
+
+    def propose(self, seqs, budgets, cache):
+        drafts = super().propose(seqs, budgets, cache)
+        self.setup_spent = 1e6  # seconds: more than the whole call took
+        return drafts
+
+
+def test_time_spent_catching_up_is_not_charged_to_drafting(tiny: Setup) -> None:
+    """A proposer's catch-up is priced as setup (``setup_seconds``): the engine leaves the time
+    it reports in ``setup_spent`` out of what a draft budget is observed to cost."""
+    costs = []
+    for proposer in (NgramProposer(), _CatchingUp()):
+        engine = Engine(tiny.loaded.model, tiny.loaded.tokenizer, proposer, Policy(PolicyConfig(kind="fixed", k=4)))
+        engine.generate(tiny.prompts[:2], GEN)
+        [(batch, cost)] = engine.policy.propose_costs.items()
+        costs.append([t for _, t in cost.samples])
+    plain, caught = costs
+    assert plain and min(plain) > 0
+    assert caught and max(caught) == 0.0
+
+
 def test_propose_cost_fits_constant_and_per_level_costs() -> None:
     from specdraft.policy import ProposeCost
 

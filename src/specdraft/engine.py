@@ -342,8 +342,9 @@ class Engine:
         t0 = time.perf_counter()
         drafts = self.proposer.propose(active, budgets, cache)
         asked = max((b for b, s in zip(budgets, active) if s is not None), default=0)
-        if asked:  # what a budget costs, whatever was found
-            self.policy.observe_propose_time(asked, time.perf_counter() - t0, len(seqs))
+        if asked:  # what a budget costs, whatever was found; a catch-up is priced as setup, not here
+            spent = time.perf_counter() - t0 - getattr(self.proposer, "setup_spent", 0.0)
+            self.policy.observe_propose_time(asked, max(spent, 0.0), len(seqs))
         if cache.lengths != lengths:
             raise RuntimeError(f"proposer {self.proposer.name} changed the target cache's lengths")
         drafts = self.policy.trim(drafts, len(seqs), live, remaining(batch, live))

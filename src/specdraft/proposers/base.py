@@ -22,6 +22,9 @@ earlier outputs.
 A proposer that must catch up on a request's context before it can draft (a draft model's
 own prefill) may implement ``setup_seconds(seqs) -> list[float]``: the estimated time per row
 (``None`` rows: 0). The adaptive policy then pays it only where it is repaid (``policy.py``).
+Such a proposer sets ``setup_spent`` at each ``propose`` to the seconds it spent catching up
+in it, which the engine leaves out of the drafting time it reports to the policy (a prompt's
+catch-up is not what each later draft costs).
 
 The sequence's ``tokens`` (prompt + emitted tokens, only ever growing) is the context.
 

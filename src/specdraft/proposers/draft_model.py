@@ -102,6 +102,7 @@ class DraftModelProposer:
         self.capacity: dict[int, int] = {}  # row -> positions its request may use
         self.pending: dict[int, _Pending] = {}
         self.seconds_per_token: float | None = None  # catch-up time per token (measured)
+        self.setup_spent = 0.0  # seconds the last propose spent on a catch-up (priced as setup, not drafting)
 
     # -- rows ---------------------------------------------------------------------------------
     def begin(self, row: int, seq: Sequence) -> None:
@@ -163,6 +164,7 @@ class DraftModelProposer:
     # -- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, seqs: Seq[Sequence | None], budgets: Seq[int], cache: KVCache) -> list[Draft]:
+        self.setup_spent = 0.0
         if not any(s is not None and b > 0 for s, b in zip(seqs, budgets)):
             return [Draft.empty() for _ in seqs]
         cache_d = self._cache_for(seqs)
@@ -214,7 +216,8 @@ class DraftModelProposer:
             todo = [[] if r in fresh else t for r, t in enumerate(todo)]
         self._feed(cache, todo, hidden, done)
         if longest >= SETUP_MIN_TOKENS:  # a real prefill (not many rows' few tokens each)
-            self.seconds_per_token = (time.perf_counter() - t0) / fed
+            self.setup_spent = time.perf_counter() - t0
+            self.seconds_per_token = self.setup_spent / fed
         return self.draft.lm_logits(hidden), done
 
     def _feed_group(self, cache: KVCache, rows: list[int], todo: list[list[int]], hidden: Tensor,

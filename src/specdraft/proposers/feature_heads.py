@@ -103,6 +103,7 @@ class FeatureHeadProposer:
         self.cache = HeadCache(head.config.num_kv_heads, head.config.head_dim, target.dtype, target.device)
         self.rows = PendingTaps(head.config.taps)
         self.seconds_per_entry: float | None = None  # catch-up time per fed entry (measured)
+        self.setup_spent = 0.0  # seconds the last propose spent on catch-ups (priced as setup, not drafting)
 
     # -- row lifecycle -------------------------------------------------------------------------
     def begin(self, row: int, seq: Sequence) -> None:
@@ -157,6 +158,7 @@ class FeatureHeadProposer:
     @torch.inference_mode()
     def propose(self, seqs: Seq[Sequence | None], budgets: Seq[int], cache: KVCache) -> list[Draft]:
         drafts = [Draft.empty() for _ in seqs]
+        self.setup_spent = 0.0
         rows = [r for r, (s, b) in enumerate(zip(seqs, budgets)) if s is not None and b > 0 and self.rows.ready(r)]
         if not rows:
             return drafts
@@ -187,7 +189,9 @@ class FeatureHeadProposer:
         self.rows.length[row] -= 1
         t0 = time.perf_counter()
         self._feed([row], [feats[:-1]], [start], [seq.tokens[start + 1 : start + len(feats)]], scratch=0)
-        self.seconds_per_entry = (time.perf_counter() - t0) / (len(feats) - 1)
+        spent = time.perf_counter() - t0
+        self.setup_spent += spent
+        self.seconds_per_entry = spent / (len(feats) - 1)
 
     def _feed(self, rows: list[int], feats: list[Tensor], starts: list[int], ids: list[list[int]],
               scratch: int) -> Tensor:
