@@ -704,18 +704,18 @@ def test_a_proposers_setup_time_is_paid_only_where_it_is_repaid() -> None:
     _evidence(low, 0, 50, accepted=0)
     assert [low.budgets([8], 1, [64], [0.1])[0] for _ in range(4)] == [0, 0, 0, config.probe_k]  # cheap probe
     low.observe(0, Draft.chain(range(config.probe_k)), Acceptance((), (1,)))
-    # the next probe is 8 steps away: a setup over PROBE_SETUP_SHARE of 8 plain steps is not paid
-    assert 1.0 > PROBE_SETUP_SHARE * 2 * config.probe_every
+    # a setup is paid once it is at most PROBE_SETUP_SHARE of the plain steps since the last
+    # probe: 1.0 s (a plain step costs 1 s) waits 50 steps, not the 8 between probes
     assert [low.budgets([8], 1, [64], [1.0])[0] for _ in range(40)] == [0] * 40
-    low.probe_gap = PROBE_GAP_MAX  # after many misses: 64 steps between probes, 1.28 s of allowance
-    assert config.probe_k in [low.budgets([8], 1, [64], [1.0])[0] for _ in range(PROBE_GAP_MAX + 1)]
-    # rows catch up together: their setups add up (two rows of 0.7 s: 1.4 s, over the allowance)
+    assert PROBE_SETUP_SHARE * 40 < 1.0 <= PROBE_SETUP_SHARE * 52
+    assert config.probe_k in [low.budgets([8], 1, [64], [1.0])[0] for _ in range(12)]
+    # rows catch up together: their setups add up (two rows of 0.7 s: 1.4 s, paid after 70 steps)
     two = Policy(config, cost_table(2, per_token=0.1))
     for row in (0, 1):
         two.begin(row)
         _evidence(two, row, 50, accepted=0)
-    two.probe_gap = PROBE_GAP_MAX
-    assert [two.budgets([8, 8], 2, [64, 64], [0.7, 0.7]) for _ in range(2 * PROBE_GAP_MAX)] == [[0, 0]] * 2 * PROBE_GAP_MAX
+    got = [two.budgets([8, 8], 2, [64, 64], [0.7, 0.7]) for _ in range(75)]
+    assert got[:69] == [[0, 0]] * 69 and [config.probe_k] * 2 in got[69:]
 
 
 def test_fixed_policy_returns_k_capped() -> None:

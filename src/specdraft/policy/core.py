@@ -246,17 +246,18 @@ class Policy:
     def _probe_length(self, batch: int, setup: float = 0.0) -> int:
         """The longest probe (up to ``probe_k`` tokens) whose forward and drafting cost at most
         ``probe_cost`` plain steps (0: none does). A proposer's setup must fit in what is left
-        of that allowance, or in ``PROBE_SETUP_SHARE`` of the plain steps since the last probe
-        (``probe_gap``): probing then costs at most that share of the time however it goes,
-        and an idle draft model can still catch up now and then to find out whether drafting
-        pays again, while a prompt's whole prefill is not paid for a probe."""
+        of that allowance, or in ``PROBE_SETUP_SHARE`` of the plain steps since the last step
+        that drafted or probed (``idle_steps``): probing then costs at most that share of the time
+        however it goes, and an idle draft model or head still catches up, after long enough,
+        to find out whether drafting pays (measured against the gap between probes instead, a
+        prompt backlog of a few plain steps was never fed: the row never drafted again)."""
         assert self.cost is not None
         q_max = 1 + self.config.k
         plain = self.cost.latency(batch, 1, q_max)
         allowed = self.config.probe_cost * plain
         for n in range(self.config.probe_k, 0, -1):
             probe = self.cost.latency(batch, 1 + n, q_max) + self.proposing(batch, n)
-            if probe <= allowed and setup <= max(allowed - probe, PROBE_SETUP_SHARE * self.probe_gap * plain):
+            if probe <= allowed and setup <= max(allowed - probe, PROBE_SETUP_SHARE * self.idle_steps * plain):
                 return n
         return 0
 
