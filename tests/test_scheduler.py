@@ -254,6 +254,27 @@ def test_observed_forwards_correct_the_measured_cost_curve():
     assert 3 not in cost.observed
 
 
+def test_forwards_of_fewer_rows_are_compared_with_the_curve_at_their_own_size():
+    """A continuous batch drafts mostly while it drains: its two-token forwards run at 9 rows,
+    its one-token ones at 16. Each is compared with the measured curve at its own size
+    (interpolated between the grid sizes 8 and 16), so the corrected curve at 16 keeps its
+    shape instead of pricing two tokens like one."""
+    table = {8: {1: 0.5, 2: 0.6}, 16: {1: 1.0, 2: 1.2}}
+    cost = CostModel(table=table, batch_grid=(8, 16), learns=True)
+    for _ in range(3):
+        cost.observe(16, 1, 1.0)
+        cost.observe(9, 2, 0.675)  # what the measured curves say for 9 rows (0.6 + 0.6 / 8)
+    assert cost.latency(16, 2, 2) == pytest.approx(1.2)
+    assert cost.latency(16, 1, 2) == pytest.approx(1.0)
+    cost.observe(12, 2, 0.9 * 2)  # twice what 12 rows should take: the q=2 point doubles once observed enough
+    cost.observe(12, 2, 0.9 * 2)
+    cost.observe(12, 2, 0.9 * 2)
+    assert cost.latency(16, 2, 2) > 1.2
+    alone = CostModel(table={16: {1: 1.0, 2: 1.2}}, batch_grid=(8, 16), learns=True)
+    alone.observe(9, 2, 0.675)  # the size below is not measured: nothing to compare 9 rows with
+    assert not alone.observed
+
+
 def test_reset_memory_forgets_earlier_outputs_only_when_idle(tiny):
     engine = build_engine(tiny, "suffix", k=4, policy="fixed")
     scheduler = Scheduler(engine, SchedulerConfig(max_batch=2, row_capacity=96))

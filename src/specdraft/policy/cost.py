@@ -29,17 +29,20 @@ class CostModel:
 
     The measurement runs at a ``prefix`` of 128 cached tokens and equal rows; real rows are
     longer and ragged, and attention grows with them. So the engine reports each verification
-    forward it runs (``observe``): once a token count has ``OBSERVED_MIN`` observations, its
-    running mean replaces the measured point, and the points in between are the measured curve
-    scaled by the observed ratio (interpolated, held constant past the observed ones), made
-    non-decreasing again. A table given without a model is not corrected unless ``learns``."""
+    forward it runs (``observe``), as its ratio to the measured curve at its own batch size
+    (interpolated between the grid sizes around it: a forward of 9 rows priced against the
+    curve of 16 would make the token counts drafted mostly as the batch drains look cheap).
+    Once a token count has ``OBSERVED_MIN`` observations, the measured point times their running
+    mean replaces it, and the points in between are scaled by the observed ratios (interpolated,
+    held constant past the observed ones), made non-decreasing again. A table given without a
+    model is not corrected unless ``learns``."""
 
     model: Transformer | None = None
     table: dict[int, dict[int, float]] = field(default_factory=dict)  # batch -> q -> seconds
     prefix: int = 128  # cached tokens per row during measurement
     batch_grid: tuple[int, ...] = ()
     learns: bool | None = None  # correct the curve with observed forwards (None: when it measures itself)
-    observed: dict[int, dict[int, list[float]]] = field(default_factory=dict)  # batch -> q -> [mean s, count]
+    observed: dict[int, dict[int, list[float]]] = field(default_factory=dict)  # batch -> q -> [mean ratio, count]
     _curves: dict[int, dict[int, float]] = field(default_factory=dict)  # batch -> the corrected curve
 
     def _bucket(self, batch: int) -> int:
@@ -60,23 +63,41 @@ class CostModel:
         """A real forward of ``batch`` rows over ``q`` new tokens each took ``seconds``."""
         if not (self.learns if self.learns is not None else self.model is not None):
             return  # a given table (a test's, a simulation's) is taken as it is
-        batch = self._bucket(batch)
-        if batch not in self.table or seconds <= 0:
-            return  # nothing measured to correct (a fixed policy never prices this batch)
-        o = self.observed.setdefault(batch, {}).setdefault(q, [seconds, 0.0])
-        o[0] = OBSERVED_DECAY * o[0] + (1 - OBSERVED_DECAY) * seconds if o[1] else seconds
+        bucket = self._bucket(batch)
+        expected = self._measured_at(batch, q)
+        if expected is None or seconds <= 0:
+            return  # nothing measured to compare with (a fixed policy never prices this batch)
+        ratio = seconds / expected
+        o = self.observed.setdefault(bucket, {}).setdefault(q, [ratio, 0.0])
+        o[0] = OBSERVED_DECAY * o[0] + (1 - OBSERVED_DECAY) * ratio if o[1] else ratio
         o[1] += 1
         if o[1] >= OBSERVED_MIN:
-            self._curves.pop(batch, None)
+            self._curves.pop(bucket, None)
+
+    def _measured_at(self, batch: int, q: int) -> float | None:
+        """The measured curve's latency for ``batch`` rows: its bucket's, or, between two
+        measured grid sizes, interpolated linearly in the rows (None: the bucket is not
+        measured, or the size below it is not and the batch is not a grid size itself)."""
+        bucket = self._bucket(batch)
+        if bucket not in self.table:
+            return None
+        high = _interpolate(self.table[bucket], q)
+        if batch == bucket:
+            return high
+        below = [b for b in self.batch_grid if b < batch]
+        if not below or below[-1] not in self.table:
+            return None
+        low_b = below[-1]
+        low = _interpolate(self.table[low_b], q)
+        return low + (high - low) * (batch - low_b) / (bucket - low_b)
 
     def _corrected(self, batch: int) -> dict[int, float]:
         base = self.table[batch]
-        seen = {q: o[0] for q, o in self.observed.get(batch, {}).items() if o[1] >= OBSERVED_MIN}
-        if not seen:
+        ratios = {q: o[0] for q, o in self.observed.get(batch, {}).items() if o[1] >= OBSERVED_MIN}
+        if not ratios:
             return base
-        ratios = {q: t / _interpolate(base, q) for q, t in seen.items()}
-        points = sorted(set(base) | set(seen))
-        return monotone({q: seen[q] if q in seen else _interpolate(base, q) * _held(ratios, q) for q in points})
+        points = sorted(set(base) | set(ratios))
+        return monotone({q: _interpolate(base, q) * _held(ratios, q) for q in points})
 
 
 def _held(points: dict[int, float], q: int) -> float:
