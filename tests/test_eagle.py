@@ -141,6 +141,34 @@ def test_a_prompt_backlog_is_priced_then_fed_at_the_first_proposal(tiny: LoadedM
         assert proposer.rows.length == {0: BACKLOG_MIN + 20, 1: 5}  # every prompt position fed
 
 
+def test_pending_taps_count_what_they_hold_through_a_rows_life() -> None:
+    """``backlog`` (asked for every row at every step) is a kept count: it must match the
+    entries actually pending after prefill, chain and tree observations, a catch-up's put-back,
+    a move and an end."""
+    from specdraft.accept import Acceptance
+    from specdraft.proposers.base import Features, Verified
+    from specdraft.proposers.head_state import HeadCache, PendingTaps
+
+    h = 4
+    rows = PendingTaps((1, 2))
+    held = lambda r: sum(len(f) for f in rows.pending.get(r, ()))  # noqa: E731
+    states = lambda n: {1: torch.randn(n, h), 2: torch.randn(n, h)}  # noqa: E731
+    for r in (0, 1):
+        rows.begin(r)
+    rows.prefilled(0, Features(torch.randn(7, h), states(7)))
+    rows.observe(0, Acceptance((0, 1), (5, 6, 7)), Verified(torch.randn(4, 9), torch.randn(4, h), states(4)))
+    rows.observe(1, Acceptance((1, 3), (5, 6, 7)), Verified(torch.randn(5, 9), torch.randn(5, h), states(5)))
+    assert [rows.backlog(r) for r in (0, 1)] == [held(0), held(1)] == [10, 3]
+    [feats], _ = rows.take([0])
+    assert feats.shape == (10, 2 * h) and rows.backlog(0) == held(0) == 0 and rows.length[0] == 10
+    rows.put_back(0, feats[-1:])
+    assert rows.backlog(0) == held(0) == 1 and rows.length[0] == 9
+    rows.move(1, 0, HeadCache(1, h, torch.float32, torch.device("cpu")))
+    assert rows.backlog(0) == held(0) == 3 and rows.backlog(1) == 0 and 1 not in rows.pending
+    rows.end(0)
+    assert rows.backlog(0) == 0 and rows.count == {}
+
+
 def _features(out, head: FeatureHead):  # type: ignore[no-untyped-def]
     from specdraft.proposers.base import Features
 

@@ -185,8 +185,7 @@ class FeatureHeadProposer:
     def _catch_up(self, row: int, seq: Sequence) -> None:
         """Feed a row's backlog but its last entry (which stays the anchor), timing it."""
         [feats], [start] = self.rows.take([row])  # [P, taps * H]
-        self.rows.pending[row] = [feats[-1:]]
-        self.rows.length[row] -= 1
+        self.rows.put_back(row, feats[-1:])
         t0 = time.perf_counter()
         self._feed([row], [feats[:-1]], [start], [seq.tokens[start + 1 : start + len(feats)]], scratch=0)
         spent = time.perf_counter() - t0

@@ -74,36 +74,40 @@ class PendingTaps:
         self.taps = taps
         self.length: dict[int, int] = {}  # row -> committed head entries
         self.pending: dict[int, list[Tensor]] = {}  # row -> [P, taps * H] chunks, in position order
+        self.count: dict[int, int] = {}  # row -> entries in its pending chunks (asked every step)
 
     def begin(self, row: int) -> None:
         self.length[row] = 0
         self.pending[row] = []
+        self.count[row] = 0
 
     def prefilled(self, row: int, features: Features) -> None:
-        self.pending[row].append(self._cat(features.taps, slice(None)))
+        self._add(row, self._cat(features.taps, slice(None)))
 
     def observe(self, row: int, acceptance: Acceptance, verified: Verified) -> None:
         """The root's and the accepted nodes' features (verification slots 0 and path + 1)."""
         path = acceptance.path
         if list(path) == list(range(len(path))):  # a chain's accepted prefix: slots 0..n
-            self.pending[row].append(self._cat(verified.taps, slice(0, len(path) + 1)).clone())
+            self._add(row, self._cat(verified.taps, slice(0, len(path) + 1)).clone())
             return
         slots = torch.tensor([0, *(i + 1 for i in path)], device=verified.hidden.device)
-        self.pending[row].append(self._cat(verified.taps, slots))
+        self._add(row, self._cat(verified.taps, slots))
 
     def end(self, row: int) -> None:
         self.length.pop(row, None)
         self.pending.pop(row, None)
+        self.count.pop(row, None)
 
     def move(self, src: int, dst: int, cache: HeadCache) -> None:
         """The row's request moved from ``src`` to ``dst``: its state and head entries follow."""
         cache.move_row(src, dst, self.length.get(src, 0))
         move_key(self.length, src, dst)
         move_key(self.pending, src, dst)
+        move_key(self.count, src, dst)
 
     def backlog(self, row: int) -> int:
         """Entries pending for the row (the next proposal feeds them)."""
-        return sum(len(f) for f in self.pending.get(row, ()))
+        return self.count.get(row, 0)
 
     def ready(self, row: int) -> bool:
         """Whether the row has an anchor to draft from (something pending)."""
@@ -117,7 +121,18 @@ class PendingTaps:
         for r, f in zip(rows, feats):
             self.length[r] += len(f)
             self.pending[r] = []
+            self.count[r] = 0
         return feats, starts
+
+    def put_back(self, row: int, feats: Tensor) -> None:
+        """Return the last ``len(feats)`` of the entries just taken to pending (uncommitted)."""
+        self.length[row] -= len(feats)
+        self.pending[row] = [feats]
+        self.count[row] = len(feats)
+
+    def _add(self, row: int, feats: Tensor) -> None:  # feats: [P, taps * H]
+        self.pending[row].append(feats)
+        self.count[row] += len(feats)
 
     def _cat(self, taps: dict[int, Tensor], index: slice | Tensor) -> Tensor:
         if len(self.taps) == 1:

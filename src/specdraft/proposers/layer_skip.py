@@ -139,7 +139,7 @@ class LayerSkipProposer:
     def _feed(self, rows: list[int]) -> None:
         """Feed these rows' pending layer-L features to the adapter's cache."""
         assert self.adapter is not None
-        width = max(sum(len(p) for p in self.rows.pending[r]) for r in rows)
+        width = max(self.rows.backlog(r) for r in rows)
         self.cache.ensure(max(rows) + 1, max(self.rows.length[r] for r in rows) + width + 1)
         if width:
             feats, starts = self.rows.take(rows)
