@@ -785,6 +785,47 @@ def test_verify_cli_exits_1_on_a_mismatch(tiny_gguf: Path, other_tiny: LoadedMod
     assert "identical: 0/1" in out and "MISMATCH only" in out and "first difference at token" in out
 
 
+def test_verify_resumes_from_its_journal(tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture) -> None:
+    """With --out, finished prompts go to a journal; a rerun checks only the others, a torn
+    last line is checked again, and a run under other conditions starts over."""
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    checked: list[str] = []
+    real_compare = verify_module.compare_prompt
+
+    def compare(prompt, *args, **kw):  # type: ignore[no-untyped-def]
+        checked.append(prompt.id)
+        return real_compare(prompt, *args, **kw)
+
+    monkeypatch.setattr(verify_module, "compare_prompt", compare)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": f"p{i}", "prompt": t}) for i, t in enumerate(TEXTS[:4])) + "\n")
+    out = tmp_path / "r" / "ngram.json"
+    journal = tmp_path / "r" / "ngram.progress.jsonl"
+
+    def run(limit: int, *extra: str) -> tuple[int, str]:
+        code = main(["verify", "--model", str(tiny_gguf), "--prompts", str(prompts), "--limit", str(limit),
+                     "--max-new-tokens", "12", "--out", str(out), *extra])
+        return code, capsys.readouterr().out
+
+    code, text = run(2)
+    assert code == 0 and checked == ["p0", "p1"] and "identical: 2/2" in text
+    first = json.loads(out.read_text())
+    assert len(journal.read_text().splitlines()) == 3  # the header and two prompts
+    code, text = run(3)
+    assert code == 0 and checked == ["p0", "p1", "p2"] and "identical: 3/3" in text and "resumed: 2 prompts" in text
+    again = json.loads(out.read_text())
+    assert again["resumed_prompts"] == 2 and again["resumed_by_other_code"] == 0
+    assert again["turns"] == first["turns"] + 1 and again["stats"]["steps"] > first["stats"]["steps"]
+    journal.write_text(journal.read_text() + '{"key": "torn')  # a run killed while writing its line
+    code, text = run(4)
+    assert code == 0 and checked[3:] == ["p3"] and "identical: 4/4" in text
+    lines = journal.read_text().splitlines()  # the torn line closed off, the next one whole
+    assert len(lines) == 6 and lines[-2] == '{"key": "torn' and json.loads(lines[-1])["prompt"] == "p3"
+    code, text = run(4, "--k", "3")
+    assert code == 0 and checked[4:] == ["p0", "p1", "p2", "p3"] and "resumed" not in text
+
+
 # =========================================================================== the real model
 
 

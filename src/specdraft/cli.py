@@ -98,7 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "default: every built-in workload, taken in turn")
     ver.add_argument("--limit", type=int, default=200, help="number of prompts (default: 200)")
     ver.add_argument("--max-new-tokens", type=int, default=64, help="tokens per turn (default: 64)")
-    ver.add_argument("--out", default=None, metavar="FILE", help="also write the report as JSON")
+    ver.add_argument("--out", default=None, metavar="FILE",
+                     help="also write the report as JSON, and keep a journal of the finished prompts beside it "
+                          "(FILE's stem + .progress.jsonl): rerunning the same command resumes there; delete the "
+                          "journal to start over")
     _add_model_options(ver)
     _add_method_options(ver, default="ngram")
     ver.set_defaults(func=cmd_verify, policy="fixed")

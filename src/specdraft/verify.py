@@ -7,6 +7,14 @@ Plain outputs are the reference for every method, so they are cached on disk
 file, dtype, device, thread count, torch version, the model code's numerics version
 (``numerics_version``), token limit and the prompt's token ids:
 checking a second method costs only its own generations. ``SPECDRAFT_CACHE=off`` disables it.
+
+With ``out``, each finished prompt is also appended to a journal beside the report
+(``<out stem>.progress.jsonl``), after a header line with the digest of the run's conditions
+(the reference cache's, the method, its options and trained weights): a rerun of the same
+command skips the prompts the journal holds, so a 200-prompt check that a session's end cut
+off goes on where it stopped, on another machine too if the journal was committed. Each line
+records a digest of the package's code; the report says how many resumed prompts were checked
+by other code.
 """
 
 from __future__ import annotations
@@ -74,10 +82,81 @@ class VerifyReport:
     stats: SpecStats = field(default_factory=SpecStats)
     planned: int = 0  # prompts selected; more than ``prompts`` when the run was interrupted
     interrupted: bool = False
+    resumed: int = 0  # prompts taken from the journal of an earlier run
+    resumed_other_code: int = 0  # ... of them checked by a different version of the code
 
     @property
     def mismatch_rate(self) -> float:
         return len(self.mismatches) / self.prompts if self.prompts else 0.0
+
+    def add(self, part: "VerifyReport") -> None:
+        """Fold in one prompt's (or any other run's) counts."""
+        self.prompts += part.prompts
+        self.turns += part.turns
+        self.matched_turns += part.matched_turns
+        self.truncated_prompts += part.truncated_prompts
+        self.mismatches.extend(part.mismatches)
+        self.stats.merge(part.stats)
+
+
+class Journal:
+    """The finished prompts of a run with ``out``: a header line with the digest of the run's
+    conditions, then one JSON line per prompt (module doc). Lines under another header are
+    dropped: that run checked something else."""
+
+    def __init__(self, path: Path | None, conditions: dict[str, Any], code: str) -> None:
+        self.path, self.code = path, code
+        self.key = _digest(conditions)[:24]
+        self.done: dict[str, dict[str, Any]] = {}
+        self.dropped = 0  # prompts of another run's conditions
+        rows = _json_lines(path) if path is not None and path.exists() else []
+        if rows and rows[0].get("conditions") == self.key:
+            self.done = {row["key"]: row for row in rows[1:] if "key" in row}
+        elif rows and path is not None:
+            self.dropped = len(rows) - 1
+            path.unlink()
+
+    @staticmethod
+    def prompt_key(prompt: Prompt) -> str:
+        return _digest([prompt.id, list(prompt.turns)])[:24]
+
+    def get(self, prompt: Prompt) -> tuple[VerifyReport, bool] | None:
+        """The prompt's recorded counts and whether the same code checked them, or None."""
+        row = self.done.get(self.prompt_key(prompt))
+        if row is None:
+            return None
+        part = VerifyReport(prompts=row["prompts"], turns=row["turns"], matched_turns=row["matched_turns"],
+                            truncated_prompts=row["truncated_prompts"],
+                            mismatches=[Mismatch(**m) for m in row["mismatches"]], stats=SpecStats(**row["stats"]))
+        return part, row.get("code") == self.code
+
+    def record(self, prompt: Prompt, part: VerifyReport) -> None:
+        if self.path is None:
+            return
+        row = {"key": self.prompt_key(prompt), "prompt": prompt.id, "code": self.code, "prompts": part.prompts,
+               "turns": part.turns, "matched_turns": part.matched_turns, "truncated_prompts": part.truncated_prompts,
+               "mismatches": [asdict(m) for m in part.mismatches], "stats": asdict(part.stats)}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fresh = not self.path.exists()
+        with self.path.open("ab") as f:
+            if fresh:
+                f.write(json.dumps({"conditions": self.key}).encode() + b"\n")
+            elif self.path.read_bytes()[-1:] != b"\n":  # a line torn by an interrupt
+                f.write(b"\n")
+            f.write(json.dumps(row).encode() + b"\n")
+        self.done[row["key"]] = row
+
+
+def _json_lines(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a torn line from an interrupted run: that prompt is checked again
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
 
 
 class ReferenceCache:
@@ -111,16 +190,7 @@ class ReferenceCache:
         if setting.lower() in ("off", "0", "no", "false"):
             return cls(None, {})
         folder = Path(setting) if setting else Path.home() / ".cache" / "specdraft"
-        st = source.stat() if source.is_file() else None
-        conditions = {"model": str(source.resolve()), "size": st.st_size if st else None,
-                      "mtime": st.st_mtime_ns if st else None, "dtype": cfg.dtype, "device": device,
-                      "batch_invariant": cfg.batch_invariant,
-                      "threads": torch.get_num_threads(), "torch": torch.__version__,
-                      "max_new_tokens": cfg.max_new_tokens}
-        version = numerics_version(cfg.batch_invariant)
-        if version > 1:  # (absent for version 1, so that earlier caches stay valid)
-            conditions["numerics"] = version
-        return cls(folder, conditions)
+        return cls(folder, plain_conditions(cfg, source, device))
 
     def get(self, ids: list[int]) -> tuple[str, list[int]] | None:
         key = _digest(ids)
@@ -141,6 +211,55 @@ class ReferenceCache:
 
 def _digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+def plain_conditions(cfg: VerifyConfig, source: Path, device: str) -> dict[str, Any]:
+    """What plain greedy outputs depend on (the reference cache's key)."""
+    st = source.stat() if source.is_file() else None
+    conditions = {"model": str(source.resolve()), "size": st.st_size if st else None,
+                  "mtime": st.st_mtime_ns if st else None, "dtype": cfg.dtype, "device": device,
+                  "batch_invariant": cfg.batch_invariant,
+                  "threads": torch.get_num_threads(), "torch": torch.__version__,
+                  "max_new_tokens": cfg.max_new_tokens}
+    version = numerics_version(cfg.batch_invariant)
+    if version > 1:  # (absent for version 1, so that earlier caches stay valid)
+        conditions["numerics"] = version
+    return conditions
+
+
+def run_conditions(cfg: VerifyConfig, source: Path, device: str) -> dict[str, Any]:
+    """What a journal's results depend on: the plain conditions (the model file by size, not
+    by path or time: a fresh clone's copy is the same run), the method, its settings and the
+    content of its trained weights. Not the prompt limit: a longer run reuses the prompts done."""
+    plain = {k: v for k, v in plain_conditions(cfg, source, device).items() if k not in ("model", "mtime")}
+    settings = {k: v for k, v in asdict(cfg).items() if k not in ("out", "limit", "model", "device")}
+    return {**plain, **settings, "model_name": source.name, "weights": _weights_digest(cfg, source)}
+
+
+def _weights_digest(cfg: VerifyConfig, source: Path) -> str | None:
+    """A digest of the method's trained files (``path=`` or the package's shipped ones)."""
+    from specdraft.heads.shipped import shipped_heads
+
+    given = dict(cfg.options).get("path")
+    path = Path(given).expanduser() if given else shipped_heads(cfg.method.split(":")[0], source)
+    if path is None or not path.exists():
+        return None
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes() if f.stat().st_size <= 1 << 26 else str(f.stat().st_size).encode())
+    return h.hexdigest()[:24]
+
+
+def code_digest() -> str:
+    """A digest of the package's source files: which code checked a prompt."""
+    root = Path(__file__).parent
+    h = hashlib.sha256()
+    for f in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cpp", ".h") and p.is_file()):
+        h.update(str(f.relative_to(root)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def first_difference(a: list[Any] | str, b: list[Any] | str) -> int:
@@ -195,17 +314,20 @@ def run_verify(cfg: VerifyConfig) -> VerifyReport:
     prompts = select_prompts(cfg)
     report = VerifyReport(planned=len(prompts))
     cache = ReferenceCache.for_run(cfg, loaded.source, cfg.device)
+    journal = Journal(journal_path(cfg.out) if cfg.out else None, run_conditions(cfg, loaded.source, cfg.device),
+                      code_digest())
+    todo = _resume(journal, prompts, report)
     with warnings.catch_warnings(), _sigterm_interrupts():
         warnings.simplefilter("ignore")  # truncation is counted and reported below
-        for prompt in tqdm(prompts, desc=f"verify {cfg.method}", unit="prompt", file=sys.stderr):
-            before = (report.prompts, report.turns, report.matched_turns, report.truncated_prompts, len(report.mismatches))
+        for prompt in tqdm(todo, desc=f"verify {cfg.method}", unit="prompt", file=sys.stderr):
+            part = VerifyReport()
             try:
-                compare_prompt(prompt, plain, spec, gen, max_prompt, report, cache)
+                compare_prompt(prompt, plain, spec, gen, max_prompt, part, cache)
             except KeyboardInterrupt:  # Ctrl-C or SIGTERM: report the prompts finished so far
-                report.prompts, report.turns, report.matched_turns, report.truncated_prompts, n = before
-                del report.mismatches[n:]
                 report.interrupted = True
                 break
+            report.add(part)
+            journal.record(prompt, part)
     print(format_report(cfg, report))
     if cfg.out:
         path = Path(cfg.out)
@@ -216,10 +338,38 @@ def run_verify(cfg: VerifyConfig) -> VerifyReport:
                                     "truncated_prompts": report.truncated_prompts,
                                     "mismatch_rate": report.mismatch_rate,
                                     "planned_prompts": report.planned, "interrupted": report.interrupted,
+                                    "resumed_prompts": report.resumed,
+                                    "resumed_by_other_code": report.resumed_other_code, "code": code_digest(),
                                     "mismatches": [asdict(m) for m in report.mismatches],
                                     "stats": report.stats.to_dict()}, indent=2))
         print(f"wrote {path}")
     return report
+
+
+def _resume(journal: Journal, prompts: list[Prompt], report: VerifyReport) -> list[Prompt]:
+    """Fold the journal's finished prompts into ``report``; return the prompts still to check."""
+    if journal.dropped:
+        print(f"verify: {journal.path} held {journal.dropped} prompts of a run under other conditions; starting over",
+              file=sys.stderr)
+    todo = []
+    for prompt in prompts:
+        found = journal.get(prompt)
+        if found is None:
+            todo.append(prompt)
+            continue
+        report.add(found[0])
+        report.resumed += 1
+        report.resumed_other_code += int(not found[1])
+    if report.resumed:
+        print(f"verify: resuming, {report.resumed} of {len(prompts)} prompts already checked ({journal.path})",
+              file=sys.stderr)
+    return todo
+
+
+def journal_path(out: str) -> Path:
+    """The journal beside a report: results/x.json -> results/x.progress.jsonl."""
+    path = Path(out)
+    return path.with_name(path.stem + ".progress.jsonl")
 
 
 @contextlib.contextmanager
@@ -248,6 +398,9 @@ def format_report(cfg: VerifyConfig, r: VerifyReport) -> str:
         + (f" (INTERRUPTED: {r.prompts} of {r.planned} prompts checked)" if r.interrupted else ""),
         f"speculation: tau {r.stats.tau:.2f}, acceptance {r.stats.acceptance_rate:.1%}",
     ]
+    if r.resumed:
+        lines.append(f"resumed: {r.resumed} prompts from an earlier run's journal"
+                     + (f", {r.resumed_other_code} of them checked by other code" if r.resumed_other_code else ""))
     for m in r.mismatches[:20]:
         lines.append(f"  MISMATCH {m.prompt_id} ({m.workload}) turn {m.turn + 1}: first difference at token "
                      f"{m.token_index}, char {m.char_index}: plain {m.plain[m.char_index:m.char_index + 30]!r} "
