@@ -223,6 +223,34 @@ def test_greedy_output_equals_plain(tiny: LoadedModel, topk: int, policy: str, k
     assert stats.proposed > 0
 
 
+def test_the_cold_start_recorder_passes_a_heads_feature_protocol_through(tiny: LoadedModel) -> None:
+    """Wrapped in the cold-start bench's recorder, a feature head still gets its taps, prompt
+    features and setup pricing: the same drafts as unwrapped, every step recorded. A proposer
+    that cannot move a row gives a recorder that cannot either (the scheduler then never packs)."""
+    from specdraft.bench.coldstart import StepRecorder
+    from specdraft.proposers.ngram import NgramProposer
+
+    batch = prompts(tiny)
+
+    def run(wrap: bool) -> tuple[list[list[int]], SpecStats, object]:
+        proposer = FeatureHeadProposer(random_head(tiny, kind="mtp"), context(tiny), EagleOptions(depth=3, topk=2), "mtp")
+        used = StepRecorder(proposer) if wrap else proposer
+        policy = Policy(PolicyConfig(kind="fixed", k=6))
+        stats = SpecStats()
+        got = Engine(tiny.model, tiny.tokenizer, used, policy).generate(batch, GEN, stats=stats)
+        return [r.tokens for r in got], stats, used
+
+    plain_tokens, plain_stats, _ = run(False)
+    tokens, stats, recorder = run(True)
+    assert tokens == plain_tokens and stats.proposed == plain_stats.proposed > 0
+    assert (stats.accepted, stats.drafts_at) == (plain_stats.accepted, plain_stats.drafts_at)
+    assert sum(len(r) for r in recorder.finished) == stats.steps  # type: ignore[attr-defined]
+    assert hasattr(recorder, "move") and hasattr(recorder, "setup_seconds")
+    bare = NgramProposer()
+    assert hasattr(StepRecorder(bare), "move") == hasattr(bare, "move")
+    assert not hasattr(StepRecorder(bare), "setup_seconds") and not hasattr(StepRecorder(bare), "prefilled")
+
+
 class _BigramHead(EagleHead):
     """A head whose state is its input token's embedding and whose log-probs are the target's
     next-token distribution after the shared prompt given that token (``p2``): its dynamic

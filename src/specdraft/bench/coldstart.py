@@ -58,13 +58,21 @@ class StepRecord:
 
 class StepRecorder:
     """Wraps a proposer and records every step of every request (per row while it runs, then
-    in ``finished`` in the order the requests ended). Changes nothing it passes on."""
+    in ``finished`` in the order the requests ended). Changes nothing it passes on: the
+    optional parts of the proposer protocol (``features``, ``prefilled``, ``setup_seconds``,
+    ``setup_spent``, ``move``; proposers/base.py) are the wrapped proposer's, present exactly
+    when it has them."""
 
     def __init__(self, inner: Proposer) -> None:
         self.inner = inner
         self.name = inner.name
         self.rows: dict[int, list[StepRecord]] = {}
         self.finished: list[list[StepRecord]] = []
+
+    def __getattr__(self, name: str) -> Any:  # only for what the class does not define
+        if name == "inner":  # (before __init__ set it)
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
     def begin(self, row: int, seq: Sequence) -> None:
         self.rows[row] = []
@@ -81,9 +89,16 @@ class StepRecorder:
         self.finished.append(self.rows.pop(row, []))
         self.inner.end(row)
 
-    def move(self, src: int, dst: int) -> None:
-        move_key(self.rows, src, dst)
-        self.inner.move(src, dst)  # type: ignore[attr-defined]
+    @property
+    def move(self) -> Callable[[int, int], None]:
+        """Present when the wrapped proposer can move a row (the scheduler packs only then)."""
+        inner_move = getattr(self.inner, "move")  # AttributeError: the recorder cannot move either
+
+        def move(src: int, dst: int) -> None:
+            move_key(self.rows, src, dst)
+            inner_move(src, dst)
+
+        return move
 
     def memory_bytes(self) -> int:
         return self.inner.memory_bytes()
