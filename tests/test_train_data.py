@@ -331,7 +331,8 @@ def test_eagle_training_learns_saves_resumes_and_refuses_other_settings(
     assert main(["train", "eagle", "--data", str(data), "--out", str(out), "--taps", "a,b"]) == 2
 
 
-def test_mtp_training_learns_and_saves_a_loadable_module(tiny: LoadedModel, tmp_path: Path) -> None:
+def test_mtp_training_learns_and_saves_a_loadable_module(tiny: LoadedModel, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture) -> None:
     from specdraft.proposers import make_proposer
     from specdraft.proposers.base import ProposerContext
     from specdraft.train.eagle import EagleTrainConfig, train_eagle
@@ -353,3 +354,16 @@ def test_mtp_training_learns_and_saves_a_loadable_module(tiny: LoadedModel, tmp_
         train_eagle(tiny, data, tmp_path / "m3", dataclasses.replace(cfg, init=str(tmp_path / "nowhere")), kind="mtp")
     assert main(["train", "mtp", "--data", str(data), "--out", str(tmp_path / "m2"), "--limit", "8", "--steps", "1",
                  "--draft-vocab", "64", "--batch-tokens", "256"]) == 0
+    # `train eval` measures the saved module as training did at its end (bfloat16 weights saved)
+    capsys.readouterr()
+    assert main(["train", "eval", str(tmp_path / "mtp"), "--data", str(data), "--steps", "2", "--batch-tokens", "512",
+                 "--model", str(tiny.source)]) == 0
+    line = capsys.readouterr().out
+    assert line.startswith("eval mtp ") and f"over {result.positions} positions" in line
+    assert abs(float(line.split("held-out tau ")[1].split()[0]) - result.tau) < 0.05
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    for folder, needle in ((tmp_path / "nowhere", "config.json missing"), (tmp_path / "odd", "not a head")):
+        assert main(["train", "eval", str(folder), "--data", str(data), "--model", str(tiny.source)]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and len(err.strip().splitlines()) == 1

@@ -116,9 +116,30 @@ def add_train_commands(sub: argparse._SubParsersAction, add_model_options) -> No
     x.add_argument("--format", required=True, choices=("eagle3", "speculators", "vllm-medusa"))
     x.add_argument("--verifier", default="", help="the target's name or path, for the speculators config")
     x.set_defaults(func=cmd_train_export)
+    v = actions.add_parser("eval", help="measure a trained head's held-out tau on a data folder",
+                           description="The held-out measure training prints at its end (the greedy chain's "
+                                       "acceptance per draft position and tau; Medusa: per head), for any trained "
+                                       "folder (eagle, mtp, medusa, layer-skip; told apart by its config.json) on any "
+                                       "data folder's validation answers: two heads compared on the same positions.")
+    v.add_argument("head", help="a folder written by `specdraft train eagle|mtp|medusa|layer-skip` (or a shipped one)")
+    v.add_argument("--data", required=True, metavar="DIR", help="a folder written by `specdraft train data`")
+    v.add_argument("--steps", type=int, default=6, help="draft positions measured (default: 6)")
+    v.add_argument("--limit", type=int, default=None, help="validation answers used (default: all)")
+    v.add_argument("--batch-tokens", type=int, default=1024, help="padded tokens per batch (default: 1024)")
+    add_model_options(v)
+    v.set_defaults(func=cmd_train_eval)
     s = actions.add_parser("summary", help="count the prompts and tokens of a data folder")
     s.add_argument("folder", help="a folder written by `specdraft train data`")
     s.set_defaults(func=cmd_train_summary)
+
+
+def cmd_train_eval(args: argparse.Namespace) -> int:
+    from specdraft.train.evaluate import EvalConfig, evaluate_folder
+
+    cfg = EvalConfig(steps=args.steps, batch_tokens=args.batch_tokens, limit=args.limit)
+    kind, result = evaluate_folder(_teacher(args), args.head, args.data, cfg)
+    print(f"eval {kind} {args.head}: {result.line()}")
+    return 0
 
 
 def cmd_train_data(args: argparse.Namespace) -> int:
