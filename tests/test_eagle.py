@@ -267,6 +267,9 @@ class _BigramHead(EagleHead):
         attend(q, kv, kv)  # keep the cache's bookkeeping
         return emb.float()
 
+    def cpp_parts(self) -> None:  # its own layer and read-out: no C++ step
+        return None
+
     def logits(self, prenorm: Tensor) -> Tensor:
         ids = (prenorm[..., None, :] == self.embed_rows).all(-1).float().argmax(-1)  # [...] the token
         return self.table[ids]
@@ -310,3 +313,48 @@ def test_exports_to_speculators_and_eagle3_layouts(tiny: LoadedModel, tmp_path: 
     with pytest.raises(SpecdraftError, match="needs a specdraft-medusa head"):
         export_heads(folder, tmp_path / "m", "vllm-medusa")
     assert main(["train", "export", str(tmp_path / "nowhere"), str(tmp_path / "x"), "--format", "eagle3"]) == 2
+
+
+@pytest.mark.parametrize("kind", ["eagle", "mtp"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_the_cpp_head_step_computes_the_python_layer(tiny: LoadedModel, kind: str, dtype: torch.dtype) -> None:
+    """The head's step from C++ (fused products, ``fastpath.head_layer``) gives the Python
+    layer's states and log-probs within rounding, and the same cache entries: for prompts fed
+    in a batch of unequal rows (writes at each row's own slots), a row subset (a view of the
+    cache) and a dynamic tree's growth (scratch slots, ancestor masks)."""
+    from specdraft.model import fastpath
+
+    head = random_head(tiny, kind=kind)
+    model = tiny.model.to(dtype)
+    try:
+        runs = []
+        for fast in (True, False):
+            proposer = FeatureHeadProposer(head, ProposerContext(model, tiny.tokenizer), EagleOptions(depth=3, topk=3))
+            if proposer.fast is None:
+                pytest.skip(f"the C++ extension is unavailable here ({fastpath._state['failed']})")
+            proposer.fast = proposer.fast if fast else None
+            g = torch.Generator().manual_seed(4)
+            seqs = []
+            with torch.inference_mode():
+                for row, n in enumerate((9, 14, 5)):
+                    prompt = torch.randint(3, 300, (n,), generator=g).tolist()
+                    seq = Sequence(prompt, GEN, tiny.tokenizer, capacity=64)
+                    proposer.begin(row, seq)
+                    out = model(torch.tensor([prompt]), torch.arange(n)[None], model.new_cache(1, n),
+                                return_hidden=head.config.taps)
+                    proposer.prefilled(row, _features(out, head))
+                    seq.append([int(out.logits[0, -1].argmax())])
+                    seqs.append(seq)
+                state, logp = proposer._feed_pending([0, 1, 2], seqs, 27)
+                grown = proposer._grow([1, 2], state[1:], logp[1:], 3, 3, torch.tensor([10**6, 10**6]))
+            runs.append((state, logp, grown, proposer.cache.k[:, :, :14].clone()))
+    finally:
+        model.to(torch.float32)
+    (s1, l1, g1, k1), (s2, l2, g2, k2) = runs
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    assert torch.allclose(s1.float(), s2.float(), atol=tol, rtol=tol)
+    assert torch.allclose(l1, l2, atol=tol * 10, rtol=tol)
+    assert torch.allclose(k1.float(), k2.float(), atol=tol, rtol=tol)  # the exact entries each row fed
+    if dtype == torch.float32:
+        assert torch.equal(g1[0], g2[0]) and torch.equal(g1[1], g2[1])  # the same tree
+        assert torch.allclose(g1[2], g2[2], atol=1e-4)

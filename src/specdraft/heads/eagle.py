@@ -67,6 +67,14 @@ class EagleHead(FeatureHead):
         """taps: [..., len(taps) * H] (the target's tap states, concatenated in config order) -> [..., H]."""
         return self.fc(taps.to(self.fc.weight.dtype))
 
+    def cpp_parts(self) -> tuple[bool, list[RMSNorm], list[list[Linear]]]:
+        """What ``fastpath.head_layer`` runs: norms and groups of fused products, in its order."""
+        m = self.midlayer
+        a = m.self_attn
+        norms = [m.input_layernorm, m.hidden_norm, m.post_attention_layernorm, self.norm]
+        return True, norms, [[a.q_proj, a.k_proj, a.v_proj], [a.o_proj], [m.mlp.gate_proj, m.mlp.up_proj],
+                             [m.mlp.down_proj], [self.lm_head]]
+
     def layer(self, emb: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
         """emb, hidden: [B, T, H]; cos, sin: [B, T, 1, D] -> the new pre-norm states [B, T, H]."""
         c, m = self.config, self.midlayer

@@ -110,6 +110,11 @@ class FeatureHead(nn.Module):
         """emb, hidden: [B, T, H]; cos, sin: [B, T, 1, D] -> the new pre-norm states [B, T, H]."""
         raise NotImplementedError
 
+    def cpp_parts(self) -> "tuple[bool, list[nn.Module], list[list[Linear]]] | None":
+        """The norms and groups of fused products ``fastpath.head_layer`` runs in place of ``layer``
+        and ``logits`` (None: no C++ step; a subclass changing either must say None)."""
+        return None
+
     def logits(self, prenorm: Tensor) -> Tensor:
         """[..., H] pre-norm states -> [..., N] float32 logits over the draft vocabulary."""
         return self.lm_head(self.norm(prenorm)).float()

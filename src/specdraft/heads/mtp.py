@@ -67,6 +67,13 @@ class MtpHead(FeatureHead):
         """taps: [..., H], the target's last-layer state -> [..., H] (as it is)."""
         return taps.to(self.eh_proj.weight.dtype)
 
+    def cpp_parts(self) -> tuple[bool, list[RMSNorm], list[list[Linear]]]:
+        """What ``fastpath.head_layer`` runs: norms and groups of fused products, in its order."""
+        a, m = self.self_attn, self.mlp
+        norms = [self.enorm, self.hnorm, self.input_layernorm, self.post_attention_layernorm, self.shared_head.norm]
+        return False, norms, [[self.eh_proj], [a.q_proj, a.k_proj, a.v_proj], [a.o_proj],
+                              [m.gate_proj, m.up_proj], [m.down_proj], [self.shared_head.head]]
+
     def layer(self, emb: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
         """emb, hidden: [B, T, H]; cos, sin: [B, T, 1, D] -> the new pre-norm states [B, T, H]."""
         c, a = self.config, self.self_attn

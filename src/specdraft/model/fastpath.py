@@ -13,6 +13,10 @@ The extension is compiled with torch's own tool chain on first use (about 30 s, 
 compiler needed) and cached by torch under ``~/.cache/torch_extensions``; a failed or
 unavailable build prints one warning line and the Python loop runs. ``SPECDRAFT_FASTPATH=0``
 turns it off (for debugging).
+
+The same extension runs a feature head's draft step (``HeadLayer``: an EAGLE-3 or MTP layer
+with fused products, ``head_layer``): drafts decide no output token, so that path is not
+bit-identical to the head's Python layer, only equal within rounding (tests check it).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from specdraft.model.linear import PACKED_FROM_ROWS, Linear
 
@@ -128,3 +132,42 @@ def _build(model: "Transformer") -> Any | None:
         layers.add_layer(block.attn_norm.weight, block.ffn_norm.weight, block.attn_norm.eps, tensors,
                          [lin.out_features for lin in lins], [lin.single_rows for lin in lins])
     return layers
+
+
+def _fused(group: list[Linear]) -> Linear:
+    """One Linear computing ``group``'s products side by side (outputs concatenated), packed as
+    the group's first member is."""
+    if len(group) == 1:
+        return group[0]
+    first = group[0]
+    fused = Linear(first.in_features, sum(lin.out_features for lin in group), bias=first.bias is not None)
+    fused.to(device=first.weight.device, dtype=first.weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([lin.weight for lin in group]))
+        if first.bias is not None:
+            fused.bias.copy_(torch.cat([lin.bias for lin in group]))
+    fused.requires_grad_(False)
+    if first.packed is not None:
+        fused.pack(first.single_rows)
+    return fused
+
+
+def head_layer(head: nn.Module) -> Any | None:
+    """The C++ draft step of a feature head (``csrc/decode.cpp``'s HeadLayer), or None where it
+    does not apply (not CPU, turned off, no extension). ``head.cpp_parts()`` gives (eagle,
+    norms, groups of linears fused into one product each). Captures the weights as they are
+    now: build it again after changing them."""
+    first = next(head.parameters())
+    if not enabled() or first.device.type != "cpu":
+        return None
+    parts = head.cpp_parts()
+    ext = extension() if parts is not None else None
+    if ext is None:
+        return None
+    eagle, norms, groups = parts
+    c = head.config
+    lins = [_fused(list(g)) for g in groups]
+    layer = ext.HeadLayer(c.num_heads, c.num_kv_heads, c.head_dim, eagle, float(c.rms_norm_eps))
+    layer.set([n.weight for n in norms], [t for lin in lins for t in _linear_parts(lin)],
+              [lin.out_features for lin in lins], [lin.single_rows for lin in lins])
+    return layer

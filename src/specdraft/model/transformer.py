@@ -299,10 +299,12 @@ class Transformer(nn.Module):
         wide = prompt is not None or (not self.batch_invariant and b * t >= WIDE_FROM_ROWS)
         fast = self._fast_layers(plan)
         if fast is not None:  # the same calls from C++ (fastpath.py)
-            counts = [] if plan is None else [n for row in plan for n in row]
+            flat = [] if plan is None else [n for row in plan for n in row]
+            counts = [n if isinstance(n, int) else -1 for n in flat]  # -1: the next of picks
+            picks = [n for n in flat if not isinstance(n, int)]  # tree nodes' key indices
             hit = [i + 1 for i in ids if i + 1 in return_hidden]  # layer outputs to return, in run order
-            x, *taps = fast.forward(x, cos, sin, cache.k, cache.v, list(cache.lengths), full_mask, counts, list(ids),
-                                    hit, wide)
+            x, *taps = fast.forward(x, cos, sin, cache.k, cache.v, list(cache.lengths), full_mask, counts, picks,
+                                    list(ids), hit, wide)
             hidden.update(zip(hit, taps))
         else:
             for i in ids:
@@ -315,10 +317,10 @@ class Transformer(nn.Module):
 
     def _fast_layers(self, plan: "KeyPlan | PromptRows | None") -> Any:
         """The C++ layer loop where it applies (fastpath.py), else None: CPU inference with a
-        fused attention call or a plan of key counts (prompt rows and tree plans run here)."""
+        fused attention call or a key plan (prompt rows run here)."""
         if not self.fast_path or torch.is_grad_enabled() or self.device.type != "cpu":
             return None
-        if isinstance(plan, PromptRows) or (plan is not None and not all(isinstance(n, int) for r in plan for n in r)):
+        if isinstance(plan, PromptRows):
             return None
         return fastpath.layers_for(self)
 

@@ -41,6 +41,7 @@ from specdraft.heads.eagle_checkpoint import load_eagle
 from specdraft.heads.feature_head import FeatureHead
 from specdraft.heads.mtp_checkpoint import load_mtp, load_native_mtp
 from specdraft.heads.shipped import shipped_heads
+from specdraft.model import fastpath
 from specdraft.model.kv_cache import KVCache
 from specdraft.proposers.base import FeatureRequest, Features, ProposerContext, Verified
 from specdraft.proposers.head_state import HeadCache, PendingTaps
@@ -102,6 +103,7 @@ class FeatureHeadProposer:
         self.vocab_ids = head.target_ids.to(target.device)  # [N]
         self.cache = HeadCache(head.config.num_kv_heads, head.config.head_dim, target.dtype, target.device)
         self.rows = PendingTaps(head.config.taps)
+        self.fast = fastpath.head_layer(self.head)  # the head's step from C++ (None: the Python layer)
         self.seconds_per_entry: float | None = None  # catch-up time per fed entry (measured)
         self.setup_spent = 0.0  # seconds the last propose spent on catch-ups (priced as setup, not drafting)
 
@@ -180,7 +182,7 @@ class FeatureHeadProposer:
         feats, starts = self.rows.take(rows)  # [P_r, taps * H] each; each row's first new slot
         ids = [seq.tokens[s + 1 : s + 1 + len(f)] for f, s, seq in zip(feats, starts, seqs)]
         state = self._feed(rows, feats, starts, ids, scratch)  # [R, H]
-        return state, self.head.logits(state).log_softmax(-1)
+        return state, self._logp(state)
 
     def _catch_up(self, row: int, seq: Sequence) -> None:
         """Feed a row's backlog but its last entry (which stays the anchor), timing it."""
@@ -213,12 +215,27 @@ class FeatureHeadProposer:
 
     def _run(self, rows: list[int], ids: Tensor, hidden: Tensor, positions: Tensor, slots: Tensor,
              visible: Tensor) -> Tensor:
-        """One head step for every query: ids, positions, slots [R, Q]; hidden [R, Q, H]; visible [R, Q, S]."""
+        """One head step for every query: ids, positions [R, Q]; slots [R, Q], consecutive in each
+        row; hidden [R, Q, H]; visible [R, Q, S], nothing visible past the last slot."""
         cos = self.cos[positions].unsqueeze(2).to(hidden.dtype)  # [R, Q, 1, D]
         sin = self.sin[positions].unsqueeze(2).to(hidden.dtype)
-        row_ids = torch.tensor(rows, device=hidden.device)
-        attend = self.cache.attend(row_ids, slots, visible, self.head.config.group_size)
-        return self.head.layer(self.embed(ids), hidden, cos, sin, attend)
+        emb = self.embed(ids)  # [R, Q, H]
+        group = self.head.config.group_size
+        first = rows[0]
+        if self.fast is not None and rows == list(range(first, first + len(rows))):  # a view of the rows' cache
+            starts = slots[:, 0].tolist()
+            s = max(starts) + slots.shape[1]
+            mask = visible[:, :, :s].repeat(1, group, 1)[:, None]  # [R, 1, G*Q, S]: stacked-query order
+            k, v = self.cache.k[first : first + len(rows)], self.cache.v[first : first + len(rows)]
+            return self.fast.step(emb, hidden, cos, sin, k, v, starts, mask)
+        attend = self.cache.attend(torch.tensor(rows, device=hidden.device), slots, visible, group)
+        return self.head.layer(emb, hidden, cos, sin, attend)
+
+    def _logp(self, state: Tensor) -> Tensor:
+        """[..., H] head states -> [..., N] float32 log-probabilities over the draft vocabulary."""
+        if self.fast is not None:
+            return self.fast.logp(state)
+        return self.head.logits(state).log_softmax(-1)
 
     def _grow(self, rows: list[int], state: Tensor, logp: Tensor, depth: int, k: int, keep: Tensor
               ) -> tuple[Tensor, Tensor, Tensor]:
@@ -246,7 +263,7 @@ class FeatureHeadProposer:
             ids = torch.cat(tokens, 1).gather(1, front)  # [R, k] draft ids of the frontier
             positions = (base - 1 + d)[:, None].expand(r_n, k)  # [R, k]
             out = self._run(rows, self.vocab_ids[ids], front_state, positions, slots, seen | prefix[:, None])
-            child = self.head.logits(out).log_softmax(-1).topk(k, dim=-1)  # [R, k, k]
+            child = self._logp(out).topk(k, dim=-1)  # [R, k, k]
             cum = torch.cat(scores, 1).gather(1, front)[:, :, None] + child.values  # [R, k, k]
             tokens.append(child.indices.flatten(1))
             parents.append(front[:, :, None].expand(r_n, k, k).flatten(1))

@@ -2,7 +2,7 @@
 // the same order on the same shapes, so the bits are the same (tests compare them); only the
 // Python interpreter between the calls is gone (about a third of a 4-bit decode step on a
 // 2-core CPU). transformer.py stays the reference and the path for what this does not cover
-// (prompt chunks, tree plans). See fastpath.py.
+// (prompt chunks). See fastpath.py.
 #include <torch/extension.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -66,6 +66,98 @@ struct Layer {
   Linear wqkv, wo, gate_up, down;
 };
 
+struct Dims {
+  int64_t hq, hkv, d;
+};
+
+// KVCache.write: row b's new keys at lengths[b] + arange(t); returns the keys up to the longest
+// row's new end
+std::pair<Tensor, Tensor> write(Tensor kl, Tensor vl, const Tensor& k, const Tensor& v,
+                                const std::vector<int64_t>& lengths) {
+  const int64_t t = k.size(2);
+  int64_t lo = lengths[0], hi = lengths[0];
+  for (int64_t n : lengths) { lo = std::min(lo, n); hi = std::max(hi, n); }
+  if (lo == hi) {
+    kl.narrow(2, lo, t).copy_(k);
+    vl.narrow(2, lo, t).copy_(v);
+  } else {
+    const int64_t b = kl.size(0);
+    auto opts = at::TensorOptions().dtype(at::kLong).device(kl.device());
+    Tensor rows = at::arange(b, opts).unsqueeze(1);
+    Tensor cols = at::tensor(lengths, opts).unsqueeze(1) + at::arange(t, opts);
+    using at::indexing::Slice;
+    kl.index_put_({rows, Slice(), cols}, k.transpose(1, 2));
+    vl.index_put_({rows, Slice(), cols}, v.transpose(1, 2));
+  }
+  return {kl.slice(2, 0, hi + t), vl.slice(2, 0, hi + t)};
+}
+
+// invariant_attention for a plan: per query, a key count (>= 0: the first n keys) or -1, which
+// takes the next of ``picks`` (a tree node's visible key indices [n], in order)
+Tensor invariant(const Dims& n, const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int64_t>& counts,
+                 const std::vector<Tensor>& picks) {
+  const int64_t b = q.size(0), t = q.size(2), g = n.hq / n.hkv;
+  if (b == 1 && t == 1 && counts[0] == k.size(2)) {
+    Tensor qt = q.reshape({1, n.hkv, g, n.d}).contiguous();
+    return at::scaled_dot_product_attention(qt, k, v).view({1, n.hq, 1, n.d});
+  }
+  Tensor by_token = q.transpose(1, 2).contiguous();
+  std::vector<Tensor> outs;
+  outs.reserve(b * t);
+  size_t next = 0;
+  for (int64_t r = 0; r < b; ++r) {
+    for (int64_t i = 0; i < t; ++i) {
+      const int64_t sel = counts[r * t + i];
+      Tensor kb, vb;
+      if (sel >= 0) {
+        kb = k.slice(0, r, r + 1).slice(2, 0, sel);
+        vb = v.slice(0, r, r + 1).slice(2, 0, sel);
+      } else {  // k[r:r+1, :, idx] in Python: a gather, then the same call
+        const Tensor& idx = picks.at(next++);
+        kb = k.slice(0, r, r + 1).index_select(2, idx);
+        vb = v.slice(0, r, r + 1).index_select(2, idx);
+      }
+      Tensor qt = by_token.select(0, r).select(0, i).view({1, n.hkv, g, n.d});
+      outs.push_back(at::scaled_dot_product_attention(qt, kb, vb));
+    }
+  }
+  return at::stack(outs).view({b, t, n.hq, n.d}).transpose(1, 2);
+}
+
+// Block.attention after the norm: x [B, T, In] -> [B, T, H]; kl, vl: this layer's cache [B, Hkv, S, D]
+Tensor attention(const Dims& n, const Linear& wqkv, const Linear& wo, const Tensor& x, const Tensor& cos,
+                 const Tensor& sin, const Tensor& kl, const Tensor& vl, const std::vector<int64_t>& lengths,
+                 const std::optional<Tensor>& mask, const std::vector<int64_t>& counts, const std::vector<Tensor>& picks,
+                 bool wide) {
+  const int64_t b = x.size(0), t = x.size(1), g = n.hq / n.hkv;
+  Tensor qkv = apply(wqkv, x, wide).view({b, t, n.hq + 2 * n.hkv, n.d});
+  Tensor qk = rope(qkv.slice(2, 0, n.hq + n.hkv), cos, sin);
+  Tensor q = qk.slice(2, 0, n.hq).transpose(1, 2);
+  Tensor k = qk.slice(2, n.hq).transpose(1, 2);
+  Tensor v = qkv.slice(2, n.hq + n.hkv).transpose(1, 2);
+  auto [keys, values] = write(kl, vl, k, v, lengths);
+  Tensor o;
+  if (counts.empty()) {  // grouped_attention
+    Tensor qg = q.reshape({b, n.hkv, g * t, n.d});
+    o = at::scaled_dot_product_attention(qg, keys, values, mask).view({b, n.hq, t, n.d});
+  } else {
+    o = invariant(n, q, keys, values, counts, picks);
+  }
+  return apply(wo, o.transpose(1, 2).reshape({b, t, n.hq * n.d}), wide);
+}
+
+Tensor mlp(const Linear& gate_up, const Linear& down, const Tensor& x, bool wide) {
+  auto gu = apply(gate_up, x, wide).chunk(2, -1);
+  return apply(down, at::silu(gu[0]) * gu[1], wide);
+}
+
+Linear linear_from(const std::vector<std::optional<Tensor>>& tensors, size_t i, int64_t out_features, bool single_rows) {
+  // tensors: per linear (int4, int4_sz, packed, weight, bias), None where absent
+  auto get = [&](size_t j) { return tensors[j].has_value() ? *tensors[j] : Tensor(); };
+  const size_t o = 5 * i;
+  return Linear{get(o), get(o + 1), get(o + 2), get(o + 3), get(o + 4), out_features, single_rows};
+}
+
 }  // namespace
 
 class Layers {
@@ -74,24 +166,22 @@ class Layers {
 
   void add_layer(Tensor attn_norm, Tensor ffn_norm, double eps, std::vector<std::optional<Tensor>> tensors,
                  std::vector<int64_t> out_features, std::vector<bool> single_rows) {
-    // tensors: 4 linears x (int4, int4_sz, packed, weight, bias), None where absent
+    // tensors: 4 linears (wqkv, wo, gate_up, down) x (int4, int4_sz, packed, weight, bias)
     Layer layer{attn_norm, ffn_norm, eps, {}, {}, {}, {}};
     Linear* lins[4] = {&layer.wqkv, &layer.wo, &layer.gate_up, &layer.down};
-    auto get = [&](size_t i) { return tensors[i].has_value() ? *tensors[i] : Tensor(); };
-    for (size_t i = 0; i < 4; ++i) {
-      const size_t o = 5 * i;
-      *lins[i] = Linear{get(o), get(o + 1), get(o + 2), get(o + 3), get(o + 4), out_features[i], single_rows[i]};
-    }
+    for (size_t i = 0; i < 4; ++i) *lins[i] = linear_from(tensors, i, out_features[i], single_rows[i]);
     layers_.push_back(std::move(layer));
   }
 
   // x: [B, T, H]; cos, sin: [B, T, 1, D]; k_cache, v_cache: [L, B, Hkv, S, D];
   // lengths: committed length of each row; mask: [B, 1, G*T, S] bool or undefined;
-  // counts: batch-invariant plan, B*T key counts (empty: one fused attention call);
+  // counts: batch-invariant plan, B*T key counts (empty: one fused attention call; -1: the next
+  // of picks, a tree node's key indices);
   // ids: the layers to run; taps: layer outputs to return (i + 1 after layer i; 0 = x).
   std::vector<Tensor> forward(Tensor x, Tensor cos, Tensor sin, Tensor k_cache, Tensor v_cache,
                               std::vector<int64_t> lengths, std::optional<Tensor> mask, std::vector<int64_t> counts,
-                              std::vector<int64_t> ids, std::vector<int64_t> taps, bool wide) {
+                              std::vector<Tensor> picks, std::vector<int64_t> ids, std::vector<int64_t> taps,
+                              bool wide) {
     std::vector<Tensor> out;
     auto tapped = [&](int64_t i) {
       for (int64_t t : taps) if (t == i) return true;
@@ -99,7 +189,7 @@ class Layers {
     };
     if (tapped(0)) out.push_back(x);
     for (int64_t i : ids) {
-      x = block(layers_[i], x, cos, sin, k_cache, v_cache, i, lengths, mask, counts, wide);
+      x = block(layers_[i], x, cos, sin, k_cache, v_cache, i, lengths, mask, counts, picks, wide);
       if (tapped(i + 1)) out.push_back(x);
     }
     out.insert(out.begin(), x);
@@ -109,77 +199,67 @@ class Layers {
  private:
   Tensor block(const Layer& p, Tensor x, const Tensor& cos, const Tensor& sin, const Tensor& kc, const Tensor& vc,
                int64_t layer, const std::vector<int64_t>& lengths, const std::optional<Tensor>& mask,
-               const std::vector<int64_t>& counts, bool wide) {
-    x = x + attention(p, rms_norm(x, p.attn_norm, p.eps), cos, sin, kc, vc, layer, lengths, mask, counts, wide);
-    auto gu = apply(p.gate_up, rms_norm(x, p.ffn_norm, p.eps), wide).chunk(2, -1);
-    return x + apply(p.down, at::silu(gu[0]) * gu[1], wide);
-  }
-
-  Tensor attention(const Layer& p, const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& kc,
-                   const Tensor& vc, int64_t layer, const std::vector<int64_t>& lengths,
-                   const std::optional<Tensor>& mask, const std::vector<int64_t>& counts, bool wide) {
-    const int64_t b = x.size(0), t = x.size(1), g = hq_ / hkv_;
-    Tensor qkv = apply(p.wqkv, x, wide).view({b, t, hq_ + 2 * hkv_, d_});
-    Tensor qk = rope(qkv.slice(2, 0, hq_ + hkv_), cos, sin);
-    Tensor q = qk.slice(2, 0, hq_).transpose(1, 2);
-    Tensor k = qk.slice(2, hq_).transpose(1, 2);
-    Tensor v = qkv.slice(2, hq_ + hkv_).transpose(1, 2);
-    auto [keys, values] = write(kc.select(0, layer), vc.select(0, layer), k, v, lengths);
-    Tensor o;
-    if (counts.empty()) {  // grouped_attention
-      Tensor qg = q.reshape({b, hkv_, g * t, d_});
-      o = at::scaled_dot_product_attention(qg, keys, values, mask).view({b, hq_, t, d_});
-    } else {
-      o = invariant(q, keys, values, counts);
-    }
-    return apply(p.wo, o.transpose(1, 2).reshape({b, t, hq_ * d_}), wide);
-  }
-
-  // KVCache.write
-  std::pair<Tensor, Tensor> write(Tensor kl, Tensor vl, const Tensor& k, const Tensor& v,
-                                  const std::vector<int64_t>& lengths) {
-    const int64_t t = k.size(2);
-    int64_t lo = lengths[0], hi = lengths[0];
-    for (int64_t n : lengths) { lo = std::min(lo, n); hi = std::max(hi, n); }
-    if (lo == hi) {
-      kl.narrow(2, lo, t).copy_(k);
-      vl.narrow(2, lo, t).copy_(v);
-    } else {
-      const int64_t b = kl.size(0);
-      auto opts = at::TensorOptions().dtype(at::kLong).device(kl.device());
-      Tensor rows = at::arange(b, opts).unsqueeze(1);
-      Tensor cols = at::tensor(lengths, opts).unsqueeze(1) + at::arange(t, opts);
-      using at::indexing::Slice;
-      kl.index_put_({rows, Slice(), cols}, k.transpose(1, 2));
-      vl.index_put_({rows, Slice(), cols}, v.transpose(1, 2));
-    }
-    return {kl.slice(2, 0, hi + t), vl.slice(2, 0, hi + t)};
-  }
-
-  // invariant_attention for a plan of key counts
-  Tensor invariant(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int64_t>& counts) {
-    const int64_t b = q.size(0), t = q.size(2), g = hq_ / hkv_;
-    if (b == 1 && t == 1 && counts[0] == k.size(2)) {
-      Tensor qt = q.reshape({1, hkv_, g, d_}).contiguous();
-      return at::scaled_dot_product_attention(qt, k, v).view({1, hq_, 1, d_});
-    }
-    Tensor by_token = q.transpose(1, 2).contiguous();
-    std::vector<Tensor> outs;
-    outs.reserve(b * t);
-    for (int64_t r = 0; r < b; ++r) {
-      for (int64_t i = 0; i < t; ++i) {
-        const int64_t sel = counts[r * t + i];
-        Tensor kb = k.slice(0, r, r + 1).slice(2, 0, sel);
-        Tensor vb = v.slice(0, r, r + 1).slice(2, 0, sel);
-        Tensor qt = by_token.select(0, r).select(0, i).view({1, hkv_, g, d_});
-        outs.push_back(at::scaled_dot_product_attention(qt, kb, vb));
-      }
-    }
-    return at::stack(outs).view({b, t, hq_, d_}).transpose(1, 2);
+               const std::vector<int64_t>& counts, const std::vector<Tensor>& picks, bool wide) {
+    const Dims n{hq_, hkv_, d_};
+    x = x + attention(n, p.wqkv, p.wo, rms_norm(x, p.attn_norm, p.eps), cos, sin, kc.select(0, layer),
+                      vc.select(0, layer), lengths, mask, counts, picks, wide);
+    return x + mlp(p.gate_up, p.down, rms_norm(x, p.ffn_norm, p.eps), wide);
   }
 
   int64_t hq_, hkv_, d_;
   std::vector<Layer> layers_;
+};
+
+// One step of a feature head (heads/mtp.py's MtpHead.layer or heads/eagle.py's EagleHead.layer)
+// with fused q/k/v and gate/up products, and its read-out (FeatureHead.logits + log_softmax).
+// Drafts only: nothing here decides an output token, so it needs no bit-identity with Python.
+class HeadLayer {
+ public:
+  // eagle: EAGLE-3's layer (attention over [norm(emb), norm(h)], residual h); else an MTP block
+  // (eh_proj over [enorm(emb), hnorm(h)], then a Llama block)
+  HeadLayer(int64_t hq, int64_t hkv, int64_t head_dim, bool eagle, double eps)
+      : n_{hq, hkv, head_dim}, eagle_(eagle), eps_(eps) {}
+
+  // norms: mtp (enorm, hnorm, input_layernorm, post_attention_layernorm, final norm);
+  //        eagle (input_layernorm, hidden_norm, post_attention_layernorm, final norm).
+  // tensors: per linear as Layers.add_layer; mtp (eh_proj, wqkv, wo, gate_up, down, lm_head),
+  //          eagle (wqkv, wo, gate_up, down, lm_head).
+  void set(std::vector<Tensor> norms, std::vector<std::optional<Tensor>> tensors, std::vector<int64_t> out_features,
+           std::vector<bool> single_rows) {
+    norms_ = std::move(norms);
+    lins_.clear();
+    for (size_t i = 0; i < out_features.size(); ++i) lins_.push_back(linear_from(tensors, i, out_features[i], single_rows[i]));
+  }
+
+  // emb, hidden: [B, T, H]; cos, sin: [B, T, 1, D]; kc, vc: the rows' head cache [B, Hkv, S, D]
+  // (row b's new entries written at lengths[b] + arange(T)); mask: [B, 1, G*T, max(lengths) + T]
+  // bool. Returns the new pre-norm states [B, T, H].
+  Tensor step(Tensor emb, Tensor hidden, Tensor cos, Tensor sin, Tensor kc, Tensor vc, std::vector<int64_t> lengths,
+              std::optional<Tensor> mask) {
+    const Tensor e = emb.to(hidden.scalar_type());
+    const std::vector<int64_t> none;
+    const std::vector<Tensor> no_picks;
+    if (eagle_) {
+      Tensor x = at::cat({rms_norm(e, norms_[0], eps_), rms_norm(hidden, norms_[1], eps_)}, -1);
+      Tensor h = hidden + attention(n_, lins_[0], lins_[1], x, cos, sin, kc, vc, lengths, mask, none, no_picks, false);
+      return h + mlp(lins_[2], lins_[3], rms_norm(h, norms_[2], eps_), false);
+    }
+    Tensor x = apply(lins_[0], at::cat({rms_norm(e, norms_[0], eps_), rms_norm(hidden, norms_[1], eps_)}, -1), false);
+    x = x + attention(n_, lins_[1], lins_[2], rms_norm(x, norms_[2], eps_), cos, sin, kc, vc, lengths, mask, none, no_picks, false);
+    return x + mlp(lins_[3], lins_[4], rms_norm(x, norms_[3], eps_), false);
+  }
+
+  // [..., H] pre-norm states -> [..., N] float32 log-probabilities over the draft vocabulary
+  Tensor logp(Tensor h) {
+    return apply(lins_.back(), rms_norm(h, norms_.back(), eps_), false).to(at::kFloat).log_softmax(-1);
+  }
+
+ private:
+  Dims n_;
+  bool eagle_;
+  double eps_;
+  std::vector<Tensor> norms_;
+  std::vector<Linear> lins_;
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -187,4 +267,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<int64_t, int64_t, int64_t>())
       .def("add_layer", &Layers::add_layer)
       .def("forward", &Layers::forward);
+  pybind11::class_<HeadLayer>(m, "HeadLayer")
+      .def(pybind11::init<int64_t, int64_t, int64_t, bool, double>())
+      .def("set", &HeadLayer::set)
+      .def("step", &HeadLayer::step)
+      .def("logp", &HeadLayer::logp);
 }
