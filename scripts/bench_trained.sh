@@ -6,6 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-results/trained-heads}
 .venv/bin/specdraft bench --dtype bfloat16 --threads 2 \
-  --methods "ngram,suffix,eagle,mtp,mtp:topk=4+depth=6,medusa" \
+  --methods "ngram,suffix,eagle,mtp,medusa" \
   --workloads chat,qa,math,creative,code --batch-sizes 1,8 \
   --samples 4 --max-new-tokens 96 --out "$OUT"

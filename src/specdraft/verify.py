@@ -137,14 +137,23 @@ class Journal:
                "turns": part.turns, "matched_turns": part.matched_turns, "truncated_prompts": part.truncated_prompts,
                "mismatches": [asdict(m) for m in part.mismatches], "stats": asdict(part.stats)}
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fresh = not self.path.exists()
+        fresh = not self.path.exists() or self.path.stat().st_size == 0
         with self.path.open("ab") as f:
             if fresh:
                 f.write(json.dumps({"conditions": self.key}).encode() + b"\n")
-            elif self.path.read_bytes()[-1:] != b"\n":  # a line torn by an interrupt
+            elif _torn(self.path):  # a line torn by an interrupt
                 f.write(b"\n")
             f.write(json.dumps(row).encode() + b"\n")
         self.done[row["key"]] = row
+
+
+def _torn(path: Path) -> bool:
+    """Whether a non-empty file's last line lacks its newline (reads the last byte only)."""
+    with path.open("rb") as f:
+        if f.seek(0, 2) == 0:
+            return False
+        f.seek(-1, 2)
+        return f.read(1) != b"\n"
 
 
 def _json_lines(path: Path) -> list[dict[str, Any]]:
@@ -205,7 +214,7 @@ class ReferenceCache:
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self.path.open("ab") as f:
-                torn = f.tell() > 0 and self.path.read_bytes()[-1:] != b"\n"  # an interrupted line
+                torn = f.tell() > 0 and _torn(self.path)  # an interrupted line
                 f.write((b"\n" if torn else b"") + json.dumps(self.entries[key]).encode() + b"\n")
 
 
