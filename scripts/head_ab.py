@@ -2,7 +2,7 @@
 bfloat16, batch 1, adaptive policy (k <= 8), the first 4 chat and qa prompts, 96 tokens, two rounds, engines
 interleaved per prompt.
 
-    .venv/bin/python scripts/head_ab.py mtp
+    .venv/bin/python scripts/head_ab.py mtp [bfloat16|float32|int4] [bi]
 """
 import sys, time, torch
 from specdraft.api import build_engine
@@ -11,7 +11,8 @@ from specdraft.model.loader import load
 from specdraft.sequence import GenerationConfig
 from specdraft.metrics import SpecStats
 torch.set_num_threads(2)
-loaded = load(dtype="bfloat16")
+dtype = sys.argv[2] if len(sys.argv) > 2 else "bfloat16"
+loaded = load(dtype=dtype, batch_invariant=len(sys.argv) > 3 and sys.argv[3] == "bi")
 gen = GenerationConfig(max_new_tokens=96)
 method = sys.argv[1] if len(sys.argv) > 1 else "mtp"
 for w, msgs in workload_messages(("chat", "qa")).items():
@@ -29,4 +30,4 @@ for w, msgs in workload_messages(("chat", "qa")).items():
                 res[name][0] += time.perf_counter() - t; res[name][1] += len(r.tokens)
     base = res["plain"][1] / res["plain"][0]
     for name, (s, n, st) in res.items():
-        print(f"{w:6s} {method} {name:7s} {n/s:6.1f} tok/s {n/s/base:.2f}x tau {st.tau:.2f} propose {st.propose_s:.2f} s verify {st.verify_s:.2f} s steps {st.steps} ({1e3*st.propose_s/max(st.steps,1):.1f} ms/step)")
+        print(f"{w:6s} {method} {dtype}{'-bi' if loaded.model.batch_invariant else ''} {name:7s} {n/s:6.1f} tok/s {n/s/base:.2f}x tau {st.tau:.2f} propose {st.propose_s:.2f} s verify {st.verify_s:.2f} s steps {st.steps} ({1e3*st.propose_s/max(st.steps,1):.1f} ms/step)")
