@@ -19,7 +19,10 @@ case $METHOD in
 esac
 # (the shipped mtp module had a third epoch on more answers: compare the repro with the
 # 2-epoch module, `git show 9cfbaa7:$WEIGHTS/mtp/...`, for that method)
-shipped=$(.venv/bin/specdraft train eval "$WEIGHTS/$METHOD" --data "$DATA" --dtype bfloat16 | tee /dev/stderr)
-repro=$(.venv/bin/specdraft train eval "$OUT" --data "$DATA" --dtype bfloat16 | tee /dev/stderr)
+# (each result captured, then echoed: `tee /dev/stderr` would reopen a redirected log at offset 0)
+shipped=$(.venv/bin/specdraft train eval "$WEIGHTS/$METHOD" --data "$DATA" --dtype bfloat16)
+echo "$shipped"
+repro=$(.venv/bin/specdraft train eval "$OUT" --data "$DATA" --dtype bfloat16)
+echo "$repro"
 tau() { sed -E 's/.*held-out tau ([0-9.]+).*/\1/' <<<"$1"; }
 python3 -c "s, r = float('$(tau "$shipped")'), float('$(tau "$repro")'); print(f'repro / shipped held-out tau: {r:.3f} / {s:.3f} = {r / s:.3f}')"
