@@ -322,35 +322,34 @@ def test_the_cpp_head_step_computes_the_python_layer(tiny: LoadedModel, kind: st
     layer's states and log-probs within rounding, and the same cache entries: for prompts fed
     in a batch of unequal rows (writes at each row's own slots), a row subset (a view of the
     cache) and a dynamic tree's growth (scratch slots, ancestor masks)."""
+    import copy
+
     from specdraft.model import fastpath
 
     head = random_head(tiny, kind=kind)
-    model = tiny.model.to(dtype)
-    try:
-        runs = []
-        for fast in (True, False):
-            proposer = FeatureHeadProposer(head, ProposerContext(model, tiny.tokenizer), EagleOptions(depth=3, topk=3))
-            if fastpath.extension() is None:
-                pytest.skip(f"the C++ extension is unavailable here ({fastpath._state['failed']})")
-            assert proposer.fast is not None  # the extension is there: the head's step must use it
-            proposer.fast = proposer.fast if fast else None
-            g = torch.Generator().manual_seed(4)
-            seqs = []
-            with torch.inference_mode():
-                for row, n in enumerate((9, 14, 5)):
-                    prompt = torch.randint(3, 300, (n,), generator=g).tolist()
-                    seq = Sequence(prompt, GEN, tiny.tokenizer, capacity=64)
-                    proposer.begin(row, seq)
-                    out = model(torch.tensor([prompt]), torch.arange(n)[None], model.new_cache(1, n),
-                                return_hidden=head.config.taps)
-                    proposer.prefilled(row, _features(out, head))
-                    seq.append([int(out.logits[0, -1].argmax())])
-                    seqs.append(seq)
-                state, logp = proposer._feed_pending([0, 1, 2], seqs, 27)
-                grown = proposer._grow([1, 2], state[1:], logp[1:], 3, 3, torch.tensor([10**6, 10**6]))
-            runs.append((state, logp, grown, proposer.cache.k[:, :, :14].clone()))
-    finally:
-        model.to(torch.float32)
+    model = copy.deepcopy(tiny.model).to(dtype)  # a copy: the module's model keeps its float32 weights
+    runs = []
+    for fast in (True, False):
+        proposer = FeatureHeadProposer(head, ProposerContext(model, tiny.tokenizer), EagleOptions(depth=3, topk=3))
+        if fastpath.extension() is None:
+            pytest.skip(f"the C++ extension is unavailable here ({fastpath._state['failed']})")
+        assert proposer.fast is not None  # the extension is there: the head's step must use it
+        proposer.fast = proposer.fast if fast else None
+        g = torch.Generator().manual_seed(4)
+        seqs = []
+        with torch.inference_mode():
+            for row, n in enumerate((9, 14, 5)):
+                prompt = torch.randint(3, 300, (n,), generator=g).tolist()
+                seq = Sequence(prompt, GEN, tiny.tokenizer, capacity=64)
+                proposer.begin(row, seq)
+                out = model(torch.tensor([prompt]), torch.arange(n)[None], model.new_cache(1, n),
+                            return_hidden=head.config.taps)
+                proposer.prefilled(row, _features(out, head))
+                seq.append([int(out.logits[0, -1].argmax())])
+                seqs.append(seq)
+            state, logp = proposer._feed_pending([0, 1, 2], seqs, 27)
+            grown = proposer._grow([1, 2], state[1:], logp[1:], 3, 3, torch.tensor([10**6, 10**6]))
+        runs.append((state, logp, grown, proposer.cache.k[:, :, :14].clone()))
     (s1, l1, g1, k1), (s2, l2, g2, k2) = runs
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     assert torch.allclose(s1.float(), s2.float(), atol=tol, rtol=tol)
