@@ -84,6 +84,22 @@ def test_splits_are_stable_and_hold_out_about_five_percent() -> None:
     assert [p.split for p in prompts] == [TrainPrompt(p.id, "other", "x", None).split for p in prompts]  # by id alone
 
 
+def test_training_on_some_sources_keeps_their_records_in_both_splits(tmp_path: Path) -> None:
+    from specdraft.train.common import splits
+
+    rows = [{"id": f"{src}/{i}", "source": src, "split": split, "temperature": 0.0, "prompt": [1, i],
+             "response": [i, n]}
+            for n, (src, split) in enumerate([("code", "train"), ("chat", "train"), ("chat", "validation"),
+                                              ("code", "validation"), ("chat", "train")]) for i in (n,)]
+    (tmp_path / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train, held, records = splits(tmp_path, None, ("chat",))
+    assert train == [([1, 1], [1, 1]), ([1, 4], [4, 4])] and held == [([1, 2], [2, 2])]
+    assert {r["source"] for r in records} == {"chat"}
+    assert len(splits(tmp_path, None)[0]) == 3  # () = every source
+    with pytest.raises(SpecdraftError, match="no answers from chats .*its sources: chat, code"):
+        splits(tmp_path, None, ("chats",))
+
+
 def test_bad_training_folders_are_one_line_errors(tmp_path: Path, train_folder: Path) -> None:
     with pytest.raises(SpecdraftError, match="not found"):
         load_training_prompts(tmp_path / "nowhere")

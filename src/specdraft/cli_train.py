@@ -58,6 +58,7 @@ def add_train_commands(sub: argparse._SubParsersAction, add_model_options) -> No
     m.add_argument("--epochs", type=int, default=1, help="passes over the train split (default: 1)")
     m.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default: 0.001)")
     m.add_argument("--limit", type=int, default=None, help="train answers used (default: all)")
+    m.add_argument("--sources", default="", help="only the answers to these prompt sets, comma-separated (e.g. alpaca-libre,oasst1), in both splits; default: all")
     m.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per batch (default: 2048)")
     m.add_argument("--time-budget", type=float, default=None, metavar="SECONDS", help="stop with a checkpoint after this long")
     m.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
@@ -80,6 +81,7 @@ def add_train_commands(sub: argparse._SubParsersAction, add_model_options) -> No
         e.add_argument("--epochs", type=int, default=1, help="passes over the train split (default: 1)")
         e.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate (default: 0.001)")
         e.add_argument("--limit", type=int, default=None, help="train answers used (default: all)")
+        e.add_argument("--sources", default="", help="only the answers to these prompt sets, comma-separated (e.g. alpaca-libre,oasst1), in both splits; default: all")
         e.add_argument("--references", type=int, default=0,
                        help="also train on this many train-split prompts with the data set's own answers (teacher "
                             "forcing; needs --prompts)")
@@ -102,6 +104,7 @@ def add_train_commands(sub: argparse._SubParsersAction, add_model_options) -> No
     a.add_argument("--epochs", type=int, default=1, help="passes over the train split (default: 1)")
     a.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate (default: 0.001)")
     a.add_argument("--limit", type=int, default=None, help="train answers used (default: all)")
+    a.add_argument("--sources", default="", help="only the answers to these prompt sets, comma-separated (e.g. alpaca-libre,oasst1), in both splits; default: all")
     a.add_argument("--batch-tokens", type=int, default=1024, help="padded tokens per batch (default: 1024)")
     a.add_argument("--time-budget", type=float, default=None, metavar="SECONDS", help="stop with a checkpoint after this long")
     a.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
@@ -125,6 +128,7 @@ def add_train_commands(sub: argparse._SubParsersAction, add_model_options) -> No
     v.add_argument("--data", required=True, metavar="DIR", help="a folder written by `specdraft train data`")
     v.add_argument("--steps", type=int, default=6, help="draft positions measured (default: 6)")
     v.add_argument("--limit", type=int, default=None, help="validation answers used (default: all)")
+    v.add_argument("--sources", default="", help="only the answers to these prompt sets, comma-separated (e.g. alpaca-libre,oasst1), in both splits; default: all")
     v.add_argument("--batch-tokens", type=int, default=1024, help="padded tokens per batch (default: 1024)")
     add_model_options(v)
     v.set_defaults(func=cmd_train_eval)
@@ -136,7 +140,7 @@ def add_train_commands(sub: argparse._SubParsersAction, add_model_options) -> No
 def cmd_train_eval(args: argparse.Namespace) -> int:
     from specdraft.train.evaluate import EvalConfig, evaluate_folder
 
-    cfg = EvalConfig(steps=args.steps, batch_tokens=args.batch_tokens, limit=args.limit)
+    cfg = EvalConfig(steps=args.steps, batch_tokens=args.batch_tokens, limit=args.limit, sources=_sources(args))
     kind, result = evaluate_folder(_teacher(args), args.head, args.data, cfg)
     print(f"eval {kind} {args.head}: {result.line()}")
     return 0
@@ -201,6 +205,10 @@ def cmd_train_vocab(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sources(args: argparse.Namespace) -> tuple[str, ...]:
+    return tuple(s.strip() for s in args.sources.split(",") if s.strip())
+
+
 def _teacher(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from specdraft.model.loader import load, set_threads
 
@@ -213,7 +221,7 @@ def cmd_train_medusa(args: argparse.Namespace) -> int:
 
     cfg = MedusaTrainConfig(heads=args.heads, draft_vocab=args.draft_vocab, epochs=args.epochs, lr=args.lr,
                             batch_tokens=args.batch_tokens, seed=args.seed, limit=args.limit,
-                            time_budget_s=args.time_budget)
+                            sources=_sources(args), time_budget_s=args.time_budget)
     result = train_medusa(_teacher(args), args.data, args.out, cfg)
     return _report("medusa", result, args.out)
 
@@ -227,7 +235,8 @@ def cmd_train_head(args: argparse.Namespace) -> int:
         raise SpecdraftError(f"--taps must be comma-separated layer numbers, got {args.taps!r}") from None
     cfg = EagleTrainConfig(draft_vocab=args.draft_vocab, steps=args.steps, taps=taps, epochs=args.epochs, lr=args.lr,
                            batch_tokens=args.batch_tokens, seed=args.seed, limit=args.limit,
-                           references=args.references, time_budget_s=args.time_budget, init=args.init)
+                           references=args.references, sources=_sources(args), time_budget_s=args.time_budget,
+                           init=args.init)
     result = train_eagle(_teacher(args), args.data, args.out, cfg, prompts_root=args.prompts, kind=args.kind)
     return _report(args.kind, result, args.out)
 
@@ -236,7 +245,7 @@ def cmd_train_adapter(args: argparse.Namespace) -> int:
     from specdraft.train.adapter import AdapterTrainConfig, train_adapter
 
     cfg = AdapterTrainConfig(exit_layer=args.exit_layer, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
-                             seed=args.seed, limit=args.limit, time_budget_s=args.time_budget)
+                             seed=args.seed, limit=args.limit, sources=_sources(args), time_budget_s=args.time_budget)
     loaded = _teacher(args)
     if not 1 <= cfg.exit_layer < loaded.config.num_layers:
         raise SpecdraftError(f"--exit-layer must be in 1..{loaded.config.num_layers - 1}, got {cfg.exit_layer}")

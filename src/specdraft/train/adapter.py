@@ -46,6 +46,7 @@ class AdapterTrainConfig:
     eval_steps: int = 6
     checkpoint_every: int = 20
     limit: int | None = None
+    sources: tuple[str, ...] = ()  # train and held-out records of these prompt sets only (() = all)
     time_budget_s: float | None = None
 
     def __post_init__(self) -> None:
@@ -53,7 +54,8 @@ class AdapterTrainConfig:
             raise SpecdraftError("epochs, soft_top_k, eval_steps and checkpoint_every must be >= 1 and lr > 0")
 
     def key(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if k != "time_budget_s"}
+        skip = {"time_budget_s"} | ({"sources"} if not self.sources else set())  # older checkpoints resume
+        return {k: v for k, v in asdict(self).items() if k not in skip}
 
 
 def adapter_logits(adapter: ExitAdapter, loaded: LoadedModel, batch: TeacherBatch) -> Tensor:
@@ -99,7 +101,7 @@ def evaluate(adapter: ExitAdapter, loaded: LoadedModel, batches: Seq[TeacherBatc
 def train_adapter(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: AdapterTrainConfig,
                   log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> ChainMeasure:
     """Train (or resume) an early-exit adapter for ``loaded``; see the module doc."""
-    pairs, held, _ = splits(data, cfg.limit)
+    pairs, held, _ = splits(data, cfg.limit, cfg.sources)
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)

@@ -30,10 +30,17 @@ CHECKPOINT = "checkpoint.pt"
 Pair = tuple[list[int], list[int]]
 
 
-def splits(data: str | Path, limit: int | None) -> tuple[list[Pair], list[Pair], list[dict[str, Any]]]:
+def splits(data: str | Path, limit: int | None, sources: Seq[str] = ()) -> tuple[list[Pair], list[Pair], list[dict[str, Any]]]:
     """(train pairs, held-out greedy pairs, train records) of a ``specdraft train data`` folder.
-    Held-out answers are the greedy ones of the validation split: the exact measure."""
+    Held-out answers are the greedy ones of the validation split: the exact measure.
+    ``sources``: only the records of these prompt sets, in both splits (() = all)."""
     records = read_shards(Path(data))
+    if sources:
+        known = {r["source"] for r in records}
+        missing = [s for s in sources if s not in known]
+        if missing:
+            raise SpecdraftError(f"{data}: no answers from {', '.join(missing)} (its sources: {', '.join(sorted(known))})")
+        records = [r for r in records if r["source"] in sources]
     train = [r for r in records if r["split"] == "train" and r["response"]][:limit]
     held = [r for r in records if r["split"] == "validation" and r["temperature"] == 0 and r["response"]]
     if not train or not held:

@@ -59,6 +59,7 @@ class EagleTrainConfig:
     checkpoint_every: int = 20  # batches
     eval_every: int = 100  # batches between held-out measures (the learning curve, ``curve.jsonl``)
     limit: int | None = None  # train records used (None: all)
+    sources: tuple[str, ...] = ()  # train and held-out records of these prompt sets only (() = all)
     references: int = 0  # train prompts added with the data set's own answers (teacher forcing)
     time_budget_s: float | None = None  # stop (with a checkpoint) after this long
     init: str = ""  # a trained head's folder to start from (its vocabulary and taps); "" = the logit lens
@@ -71,7 +72,8 @@ class EagleTrainConfig:
 
     def key(self) -> dict[str, Any]:
         """The settings a checkpoint must share to be resumed (not the time budget)."""
-        return {k: v for k, v in asdict(self).items() if k != "time_budget_s"}
+        skip = {"time_budget_s"} | ({"sources"} if not self.sources else set())  # older checkpoints resume
+        return {k: v for k, v in asdict(self).items() if k not in skip}
 
 
 @dataclass(slots=True)
@@ -207,7 +209,7 @@ def train_eagle(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: Eag
     teacher-forced answers from ``prompts_root``); see the module doc."""
     if kind not in ("eagle", "mtp"):
         raise SpecdraftError(f"unknown head kind {kind!r}")
-    pairs, held, train_records = splits(data, cfg.limit)
+    pairs, held, train_records = splits(data, cfg.limit, cfg.sources)
     if cfg.references:
         if prompts_root is None:
             raise SpecdraftError("references need the training prompts folder (--prompts)")

@@ -29,6 +29,7 @@ class EvalConfig:
     batch_tokens: int = 1024  # padded tokens per teacher forward
     limit: int | None = None  # validation answers used (default: all)
     max_len: int = 768  # longer sequences are cut, as in training
+    sources: tuple[str, ...] = ()  # validation answers of these prompt sets only (() = all)
 
     def __post_init__(self) -> None:
         if not 1 <= self.steps <= 16 or self.batch_tokens < 1 or (self.limit is not None and self.limit < 1):
@@ -55,7 +56,7 @@ def evaluate_folder(loaded: LoadedModel, folder: str | Path, data: str | Path, c
     """(kind, measure) of the trained folder on ``data``'s held-out greedy answers; the measure
     is a ``ChainMeasure`` (or Medusa's ``HeldOut``) with ``line()``."""
     kind = head_kind(folder)
-    _, held, _ = splits(data, None)
+    _, held, _ = splits(data, None, cfg.sources)
     held = held[: cfg.limit]
     groups = length_batches([len(p) + len(a) for p, a in held], cfg.batch_tokens)
     device = loaded.model.device

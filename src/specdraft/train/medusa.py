@@ -47,6 +47,7 @@ class MedusaTrainConfig:
     seed: int = 0
     checkpoint_every: int = 20  # batches
     limit: int | None = None  # train records used (None: all)
+    sources: tuple[str, ...] = ()  # train and held-out records of these prompt sets only (() = all)
     time_budget_s: float | None = None  # stop (with a checkpoint) after this long
 
     def __post_init__(self) -> None:
@@ -56,7 +57,8 @@ class MedusaTrainConfig:
 
     def key(self) -> dict[str, Any]:
         """The settings a checkpoint must share to be resumed (not the time budget)."""
-        return {k: v for k, v in asdict(self).items() if k != "time_budget_s"}
+        skip = {"time_budget_s"} | ({"sources"} if not self.sources else set())  # older checkpoints resume
+        return {k: v for k, v in asdict(self).items() if k not in skip}
 
 
 @dataclass(slots=True)
@@ -130,7 +132,7 @@ def evaluate(heads: MedusaHeads, model_batches: Seq[TeacherBatch]) -> HeldOut:
 def train_medusa(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: MedusaTrainConfig,
                  log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> HeldOut:
     """Train (or resume) Medusa heads for ``loaded`` on the data folder; see the module doc."""
-    pairs, held, train_records = splits(data, cfg.limit)
+    pairs, held, train_records = splits(data, cfg.limit, cfg.sources)
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     model, c = loaded.model, loaded.config
