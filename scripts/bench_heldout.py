@@ -7,7 +7,7 @@ prompts into a data folder and runs the training's own held-out measure on it
 (`specdraft train eval`'s code), so a gap that remains there is the prompts', and one that
 does not is the engine's.
 
-    python scripts/bench_heldout.py [--workloads chat,qa,math,creative] [--prompts 16]
+    python scripts/bench_heldout.py [--workloads chat,qa,math,creative] [--heads mtp,new=runs/x] [--prompts 16]
         [--tokens 128] [--dtype bfloat16] [--out runs/bench-heldout]
 """
 
@@ -52,7 +52,8 @@ def folder_for(out: Path, workload: str, records: list[dict]) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", default="chat,qa,math,creative")
-    ap.add_argument("--heads", default="mtp,eagle,medusa")
+    ap.add_argument("--heads", default="mtp,eagle,medusa",
+                    help="shipped heads by method, or label=folder for any trained folder")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
@@ -66,8 +67,9 @@ def main() -> None:
         else:
             folder = folder_for(args.out, workload, answers(loaded, workload, args.prompts, args.tokens))
         for head in args.heads.split(","):
-            kind, result = evaluate_folder(loaded, shipped_heads(head, None), folder, EvalConfig())
-            print(f"{workload:9s} {kind:7s} {result.line()}", flush=True)
+            label, _, path = head.partition("=")
+            kind, result = evaluate_folder(loaded, path or shipped_heads(label, None), folder, EvalConfig())
+            print(f"{workload:9s} {label:7s} {result.line()}", flush=True)
 
 
 if __name__ == "__main__":

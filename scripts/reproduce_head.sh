@@ -17,7 +17,8 @@ case $METHOD in
   layer-skip) .venv/bin/specdraft train layer-skip "${common[@]}" --exit-layer 4 ;;
   *) echo "unknown method $METHOD" >&2; exit 2 ;;
 esac
-# (the shipped mtp module had a third epoch on more answers: compare the repro with the
+# (the shipped mtp module had a third epoch on more answers and a fourth on the non-code answers
+# (train_default_heads.sh steps 3b and 3c): compare the repro with the
 # 2-epoch module, `git show 9cfbaa7:$WEIGHTS/mtp/...`, for that method)
 # (each result captured, then echoed: `tee /dev/stderr` would reopen a redirected log at offset 0)
 shipped=$(.venv/bin/specdraft train eval "$WEIGHTS/$METHOD" --data "$DATA" --dtype bfloat16)

@@ -28,6 +28,12 @@ cp runs/mtp-main/config.json runs/mtp-main/model.safetensors "$WEIGHTS/mtp/"
 .venv/bin/specdraft train mtp --data "$DATA" --out runs/mtp-more --init "$WEIGHTS/mtp" --dtype bfloat16 --threads 2 \
   --epochs 1 --lr 5e-4 --batch-tokens 1024 --steps 3
 cp runs/mtp-more/config.json runs/mtp-more/model.safetensors "$WEIGHTS/mtp/"
+# session 18: one epoch on the non-code sets' answers (after the second `train data` command of
+# train-data/README.md), so the module drafts chat-like text better (code slightly worse)
+.venv/bin/specdraft train mtp --data "$DATA" --out runs/mtp-noncode --init "$WEIGHTS/mtp" --dtype bfloat16 --threads 2 \
+  --epochs 1 --lr 5e-4 --batch-tokens 1024 --steps 3 \
+  --sources alpaca-libre,gpteacher-roleplay,oasst-samples,oasst1,self-instruct-seed
+cp runs/mtp-noncode/config.json runs/mtp-noncode/model.safetensors "$WEIGHTS/mtp/"
 
 # 4. Medusa heads (4 heads), the same data
 .venv/bin/specdraft train medusa --data "$DATA" --out runs/medusa-main --limit 3940 --dtype bfloat16 --threads 2 \
