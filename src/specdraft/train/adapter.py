@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence as Seq
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from specdraft.heads.adapter import AdapterConfig, ExitAdapter, save_adapter
 from specdraft.heads.feature_head import causal_mask
 from specdraft.model.loader import LoadedModel
 from specdraft.model.transformer import grouped_attention
-from specdraft.train.common import (Loop, TeacherCache, data_fingerprint, resume, soft_cross_entropy, splits,
+from specdraft.train.common import (checkpoint_key, Loop, TeacherCache, data_fingerprint, resume, soft_cross_entropy, splits,
                                     train_loop)
 from specdraft.train.eagle import ChainMeasure
 from specdraft.train.teacher import TeacherBatch, TeacherConfig, length_batches
@@ -54,8 +54,7 @@ class AdapterTrainConfig:
             raise SpecdraftError("epochs, soft_top_k, eval_steps and checkpoint_every must be >= 1 and lr > 0")
 
     def key(self) -> dict[str, Any]:
-        skip = {"time_budget_s"} | ({"sources"} if not self.sources else set())  # older checkpoints resume
-        return {k: v for k, v in asdict(self).items() if k not in skip}
+        return checkpoint_key(self)
 
 
 def adapter_logits(adapter: ExitAdapter, loaded: LoadedModel, batch: TeacherBatch) -> Tensor:

@@ -11,7 +11,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,13 @@ from specdraft.train.vocab import most_frequent, token_counts
 
 CHECKPOINT = "checkpoint.pt"
 Pair = tuple[list[int], list[int]]
+
+
+def checkpoint_key(cfg: Any) -> dict[str, Any]:
+    """The settings of a training config that a checkpoint must share to be resumed: all but
+    the time budget, and ``sources`` only when set (checkpoints made before it resume)."""
+    skip = {"time_budget_s"} | ({"sources"} if not cfg.sources else set())
+    return {k: v for k, v in asdict(cfg).items() if k not in skip}
 
 
 def splits(data: str | Path, limit: int | None, sources: Seq[str] = ()) -> tuple[list[Pair], list[Pair], list[dict[str, Any]]]:

@@ -24,7 +24,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Sequence as Seq
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from specdraft.heads.mtp import MtpHead
 from specdraft.heads.mtp_checkpoint import load_mtp, save_mtp
 from specdraft.heads.eagle_checkpoint import load_eagle, save_eagle
 from specdraft.model.loader import LoadedModel
-from specdraft.train.common import (Loop, TeacherCache, data_fingerprint, draft_index, draft_vocabulary,
+from specdraft.train.common import (checkpoint_key, Loop, TeacherCache, data_fingerprint, draft_index, draft_vocabulary,
                                     reference_pairs, resume, soft_cross_entropy, splits, train_loop)
 from specdraft.train.teacher import TeacherBatch, TeacherConfig, length_batches
 
@@ -72,8 +72,7 @@ class EagleTrainConfig:
 
     def key(self) -> dict[str, Any]:
         """The settings a checkpoint must share to be resumed (not the time budget)."""
-        skip = {"time_budget_s"} | ({"sources"} if not self.sources else set())  # older checkpoints resume
-        return {k: v for k, v in asdict(self).items() if k not in skip}
+        return checkpoint_key(self)
 
 
 @dataclass(slots=True)

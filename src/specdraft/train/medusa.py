@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence as Seq
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from torch import Tensor
 from specdraft.errors import SpecdraftError
 from specdraft.heads.medusa import MedusaConfig, MedusaHeads, save_medusa
 from specdraft.model.loader import LoadedModel
-from specdraft.train.common import (Loop, TeacherCache, data_fingerprint, draft_index, draft_vocabulary, resume,
+from specdraft.train.common import (checkpoint_key, Loop, TeacherCache, data_fingerprint, draft_index, draft_vocabulary, resume,
                                     soft_cross_entropy, splits, train_loop)
 from specdraft.train.teacher import TeacherBatch, TeacherConfig, length_batches
 
@@ -57,8 +57,7 @@ class MedusaTrainConfig:
 
     def key(self) -> dict[str, Any]:
         """The settings a checkpoint must share to be resumed (not the time budget)."""
-        skip = {"time_budget_s"} | ({"sources"} if not self.sources else set())  # older checkpoints resume
-        return {k: v for k, v in asdict(self).items() if k not in skip}
+        return checkpoint_key(self)
 
 
 @dataclass(slots=True)
