@@ -34,6 +34,12 @@ cp runs/mtp-more/config.json runs/mtp-more/model.safetensors "$WEIGHTS/mtp/"
   --epochs 1 --lr 5e-4 --batch-tokens 1024 --steps 3 \
   --sources alpaca-libre,gpteacher-roleplay,oasst-samples,oasst1,self-instruct-seed
 cp runs/mtp-noncode/config.json runs/mtp-noncode/model.safetensors "$WEIGHTS/mtp/"
+# session 20: a second epoch on the non-code answers, after the last 516 non-code prompts were
+# answered (the second `train data` command of train-data/README.md once more), at lr 3e-4
+.venv/bin/specdraft train mtp --data "$DATA" --out runs/mtp-noncode2 --init "$WEIGHTS/mtp" --dtype bfloat16 --threads 2 \
+  --epochs 1 --lr 3e-4 --batch-tokens 1024 --steps 3 \
+  --sources alpaca-libre,gpteacher-roleplay,oasst-samples,oasst1,self-instruct-seed
+cp runs/mtp-noncode2/config.json runs/mtp-noncode2/model.safetensors "$WEIGHTS/mtp/"
 
 # 4. Medusa heads (4 heads), the same data
 .venv/bin/specdraft train medusa --data "$DATA" --out runs/medusa-main --limit 3940 --dtype bfloat16 --threads 2 \
