@@ -19,6 +19,11 @@ WEIGHTS=src/specdraft/weights/SmolLM2-135M-Instruct.Q4_1
 mkdir -p "$WEIGHTS/eagle"
 cp runs/eagle-main/config.json runs/eagle-main/model.safetensors "$WEIGHTS/eagle/"
 
+# 2b. session 21: one more epoch for the EAGLE head on all 7,727 train answers (the head above saw the
+# first 3,940 only), from the shipped head, lr 5e-4 (74 minutes)
+.venv/bin/specdraft train eagle --data "$DATA" --out runs/eagle-more --init "$WEIGHTS/eagle" --dtype bfloat16 --threads 2 \
+  --epochs 1 --lr 5e-4 --batch-tokens 1024 --steps 3
+cp runs/eagle-more/config.json runs/eagle-more/model.safetensors "$WEIGHTS/eagle/"
 # 3. the MTP module (DeepSeek-V3 layout), the same data and settings as the EAGLE head
 .venv/bin/specdraft train mtp --data "$DATA" --out runs/mtp-main --limit 3940 --dtype bfloat16 --threads 2 \
   --epochs 2 --lr 1e-3 --batch-tokens 1024 --steps 3
