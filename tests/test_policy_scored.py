@@ -9,7 +9,7 @@ from specdraft.accept import Acceptance
 from specdraft.draft import Draft
 from specdraft.policy import CostModel, Policy, PolicyConfig
 from specdraft.policy.cost import monotone
-from specdraft.policy.scored import Calibration, Outlook
+from specdraft.policy.scored import PRIOR_DRAFTS, Calibration, Outlook
 
 
 def costs(batch: int, per_node: float, k: int = 8) -> CostModel:
@@ -74,9 +74,9 @@ def test_outlook_is_monotone_and_scaled_by_the_rows_record() -> None:
     assert o.at(1) <= 1.0
     for _ in range(30):
         o.observe(expected=1.0, accepted=0, decay=0.9)  # this request's drafts never pay
-    assert o.realism < 0.15 and o.at(3) < 0.2
+    assert o.realism < 0.25 and o.at(3) < 0.3
     fresh = o.restart()
-    assert fresh.realism == 1.0 and fresh.weight == [min(w, 1.0) for w in o.weight]
+    assert fresh.realism == 1.0 and fresh.weight == [min(w, PRIOR_DRAFTS) for w in o.weight]
 
 
 def _learn(policy: Policy, rows: int, draft: Draft, path: tuple[int, ...], steps: int) -> None:
@@ -124,12 +124,38 @@ def test_a_row_whose_confident_drafts_fail_stops_drafting_and_others_are_unaffec
         p.trim([d], 1)
         assert p.budgets([8], 1)[0] > 0
     for _ in range(40):
-        assert len(policy.trim([d], 1)[0]) > 0 or policy.outlooks[0].realism < 0.5
+        assert len(policy.trim([d], 1)[0]) > 0 or policy.outlooks[0].realism < 0.6
         policy.observe(0, d, accepted(()))
         other.trim([d], 1)
         other.observe(0, d, accepted((0, 2, 5)))
     assert policy.budgets([8], 1) == [0] and len(policy.trim([d], 1)[0]) == 0
     assert other.budgets([8], 1)[0] > 0 and len(other.trim([d], 1)[0]) >= 3
+
+
+def test_one_unlucky_first_draft_does_not_stop_a_proposer_that_pays_on_average() -> None:
+    """The first scored draft is unsure and fails. Judged on it alone, drafting would stop and the
+    drafts that would show it pays would never come; the prior outlook keeps the proposer drafting
+    until its own record says otherwise, and that record does decide once it is long enough."""
+    unsure = tree(0.1)  # about 0.4 tokens expected from its 6 nodes
+    config = PolicyConfig(kind="adaptive", k=8, probe_every=1000)
+    policy = Policy(config, costs(1, per_node=0.02))
+    policy.begin(0)
+    for budget in (2, 4, 6, 8):
+        policy.observe_propose_time(budget, 0.03 * budget)  # drafting costs a quarter of a step at k = 8
+    policy.trim([unsure], 1)
+    policy.observe(0, unsure, accepted(()))
+    assert policy.budgets([8], 1)[0] > 0
+    good = tree(0.9)  # its drafts then yield about 2 tokens each: the row keeps drafting
+    for _ in range(20):
+        assert policy.budgets([8], 1)[0] > 0
+        policy.trim([good], 1)
+        policy.observe(0, good, accepted((0, 2)))
+    budgets = []
+    for _ in range(60):  # ...until they stop paying for long enough
+        budgets.append(policy.budgets([8], 1)[0])
+        policy.trim([unsure], 1)
+        policy.observe(0, unsure, accepted(()))
+    assert budgets[0] > 0 and budgets[-10:] == [0] * 10
 
 
 def test_the_whole_budget_is_asked_for_now_and_then() -> None:

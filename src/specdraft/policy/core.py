@@ -114,12 +114,13 @@ class Policy:
         self.since_full = 0  # drafting steps since the last one with the whole budget k (scored drafts)
         self.realism = Realism()  # unscored drafts: the extra tokens expected against those accepted
         self.expected_extra: dict[int, float] = {}  # row -> what its kept draft was expected to add (this step)
+        self.asked: dict[int, int] = {}  # row -> the budget budgets() last gave it (scored drafts' outlook)
 
     # what the policy has learned (per row and across requests), without the cost model
     _MEMORY = ("evidence", "by_label", "pooled", "holds", "idle_steps", "probing", "probe_gap", "probe_gain",
                "probe_needs",
                "looking", "propose_costs", "calibration", "outlooks", "pooled_outlook",
-               "since_full", "realism", "expected_extra")
+               "since_full", "realism", "expected_extra", "asked")
 
     def snapshot(self) -> dict[str, object]:
         """A copy of what the policy has learned, for ``restore``: a benchmark's repeats each
@@ -152,10 +153,11 @@ class Policy:
         self.evidence.pop(row, None)
         self.holds.pop(row, None)
         self.outlooks.pop(row, None)
+        self.asked.pop(row, None)
 
     def move(self, src: int, dst: int) -> None:
         """The row's request moved to row ``dst`` (the scheduler packs its slots)."""
-        for table in (self.evidence, self.holds, self.outlooks, self.expected_extra):
+        for table in (self.evidence, self.holds, self.outlooks, self.expected_extra, self.asked):
             move_key(table, src, dst)
 
     def held(self, row: int) -> bool:
@@ -195,7 +197,9 @@ class Policy:
         if best > 0 and paying > 0 and not self._repays(best, paying, caps, batch, remaining):
             best = 0
         best = self._gate(best, batch, paying)
-        return [min(best, c) for c in caps]
+        out = [min(best, c) for c in caps]
+        self.asked = dict(enumerate(out))
+        return out
 
     def _repays(self, k: int, setup: float, caps: Seq[int], batch: int, remaining: Seq[int] | None) -> bool:
         """Whether drafting k tokens per step for the rest of the batch, after ``setup``
@@ -381,8 +385,13 @@ class Policy:
             if d.confidence is None or not len(d):
                 out.append([0.0])
                 continue
+            if not self.pooled_outlook.known:  # the first scored draft: start from the prior
+                self.pooled_outlook = Outlook.prior(self.config.prior, self.config.k)
+            if not self.outlooks.get(row, Outlook()).known:
+                self.outlooks[row] = self.pooled_outlook.restart()
             gains = self.calibration.get(d.label, Calibration()).gains(d)
-            outlook = self.outlooks.setdefault(row, Outlook())
+            gains += gains[-1:] * (self.asked.get(row, 0) - len(d))  # asked for more: that was all it had
+            outlook = self.outlooks[row]
             outlook.add(gains, self.config.decay)
             self.pooled_outlook.add(gains, LABEL_DECAY)
             out.append([g * outlook.realism for g in gains])
