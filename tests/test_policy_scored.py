@@ -9,7 +9,7 @@ from specdraft.accept import Acceptance
 from specdraft.draft import Draft
 from specdraft.policy import CostModel, Policy, PolicyConfig
 from specdraft.policy.cost import monotone
-from specdraft.policy.scored import PRIOR_DRAFTS, Calibration, Outlook
+from specdraft.policy.scored import Calibration, Outlook
 
 
 def costs(batch: int, per_node: float, k: int = 8) -> CostModel:
@@ -64,7 +64,7 @@ def test_calibration_learns_how_often_each_depth_is_accepted_per_unit_of_confide
 
 
 def test_outlook_is_monotone_and_scaled_by_the_rows_record() -> None:
-    o = Outlook()
+    o = Outlook(trust=3.0)
     assert not o.known
     o.add([0.0, 0.5, 0.9, 1.2], decay=0.9)
     o.add([0.0, 0.5], decay=0.9)  # a shorter draft leaves the longer counts alone
@@ -75,8 +75,8 @@ def test_outlook_is_monotone_and_scaled_by_the_rows_record() -> None:
     for _ in range(30):
         o.observe(expected=1.0, accepted=0, decay=0.9)  # this request's drafts never pay
     assert o.realism < 0.25 and o.at(3) < 0.3
-    fresh = o.restart()
-    assert fresh.realism == 1.0 and fresh.weight == [min(w, PRIOR_DRAFTS) for w in o.weight]
+    fresh = o.restart(1.5)
+    assert fresh.realism == 1.0 and fresh.weight == [min(w, 1.5) for w in o.weight] and fresh.trust == 3.0
 
 
 def _learn(policy: Policy, rows: int, draft: Draft, path: tuple[int, ...], steps: int) -> None:
@@ -137,14 +137,17 @@ def test_one_unlucky_first_draft_does_not_stop_a_proposer_that_pays_on_average()
     drafts that would show it pays would never come; the prior outlook keeps the proposer drafting
     until its own record says otherwise, and that record does decide once it is long enough."""
     unsure = tree(0.1)  # about 0.4 tokens expected from its 6 nodes
-    config = PolicyConfig(kind="adaptive", k=8, probe_every=1000)
-    policy = Policy(config, costs(1, per_node=0.02))
-    policy.begin(0)
-    for budget in (2, 4, 6, 8):
-        policy.observe_propose_time(budget, 0.03 * budget)  # drafting costs a quarter of a step at k = 8
-    policy.trim([unsure], 1)
-    policy.observe(0, unsure, accepted(()))
-    assert policy.budgets([8], 1)[0] > 0
+    policies = []
+    for prior, trust in ((4.0, 3.0), (0.0, 1.0)):  # the defaults; no prior and one token of trust
+        config = PolicyConfig(kind="adaptive", k=8, probe_every=1000, outlook_prior=prior, trust=trust)
+        policies.append(Policy(config, costs(1, per_node=0.02)))
+        policies[-1].begin(0)
+        for budget in (2, 4, 6, 8):
+            policies[-1].observe_propose_time(budget, 0.03 * budget)  # a quarter of a step at k = 8
+        policies[-1].trim([unsure], 1)
+        policies[-1].observe(0, unsure, accepted(()))
+    policy, without = policies
+    assert policy.budgets([8], 1)[0] > 0 and without.budgets([8], 1)[0] == 0  # (and never drafts again)
     good = tree(0.9)  # its drafts then yield about 2 tokens each: the row keeps drafting
     for _ in range(20):
         assert policy.budgets([8], 1)[0] > 0

@@ -30,6 +30,11 @@ class PolicyConfig:
     stop_after: int = 4  # a request whose last this many drafts all failed stops drafting for a while
     margin: float = 0.05  # speculation must be expected to beat plain decoding by this share (the
     # estimates' error: a step priced as a 2% gain can be a 5% loss, which a busy server must not take)
+    outlook_prior: float = 4.0  # scored drafts: drafts' worth of weight of the prior outlook (a chain at
+    # `prior`) in the pooled means and in a new request's (0: no prior; a request starts from the pooled
+    # means weighted as one draft)
+    trust: float = 3.0  # scored drafts: tokens of evidence, before a request's own record, that its drafts
+    # yield what their calibrated confidences expect
 
     def __post_init__(self) -> None:
         if self.kind not in ("fixed", "adaptive"):
@@ -46,6 +51,8 @@ class PolicyConfig:
             raise SpecdraftError("probe_every must be >= 1 and probe_cost >= 1")
         if not 0 <= self.margin < 1:
             raise SpecdraftError(f"policy margin must be in [0, 1), got {self.margin!r}")
+        if self.outlook_prior < 0 or self.trust <= 0:
+            raise SpecdraftError(f"policy outlook_prior must be >= 0 and trust > 0, got {self.outlook_prior!r}, {self.trust!r}")
         if self.stop_after < 1:
             raise SpecdraftError(f"policy stop_after must be >= 1, got {self.stop_after!r}")
 

@@ -110,7 +110,7 @@ class Policy:
         self.propose_costs: dict[int, ProposeCost] = {}  # per batch size: the proposer's time against its budget
         self.calibration: dict[str, Calibration] = {}  # draft label -> its confidences against outcomes
         self.outlooks: dict[int, Outlook] = {}  # per row: what its confident drafts were expected to yield
-        self.pooled_outlook = Outlook()  # the same across requests (where a new request starts)
+        self.pooled_outlook = Outlook(trust=config.trust)  # the same across requests (where a new request starts)
         self.since_full = 0  # drafting steps since the last one with the whole budget k (scored drafts)
         self.realism = Realism()  # unscored drafts: the extra tokens expected against those accepted
         self.expected_extra: dict[int, float] = {}  # row -> what its kept draft was expected to add (this step)
@@ -140,7 +140,7 @@ class Policy:
     def begin(self, row: int) -> None:
         self.evidence[row] = Evidence(prior=self.pooled_alpha())
         self.holds[row] = Hold(gap=self.config.probe_every)
-        self.outlooks[row] = self.pooled_outlook.restart()
+        self.outlooks[row] = self.pooled_outlook.restart(self._restart_weight)
 
     def pooled_alpha(self) -> float:
         """The alpha of all outcomes so far, once there are ``label_min`` of them (else the
@@ -323,7 +323,7 @@ class Policy:
             decay_add(e, LABEL_DECAY, acceptance.accepted, rejected)
         if scored:  # the row's record against its drafts' expected yield (before they teach the calibration)
             calibration = self.calibration.setdefault(draft.label, Calibration())
-            self.outlooks.setdefault(row, Outlook()).observe(calibration.gains(draft)[-1], acceptance.accepted,
+            self.outlooks.setdefault(row, Outlook(trust=self.config.trust)).observe(calibration.gains(draft)[-1], acceptance.accepted,
                                                              self.config.decay)
             calibration.observe(draft, acceptance, LABEL_DECAY)
 
@@ -385,10 +385,11 @@ class Policy:
             if d.confidence is None or not len(d):
                 out.append([0.0])
                 continue
-            if not self.pooled_outlook.known:  # the first scored draft: start from the prior
-                self.pooled_outlook = Outlook.prior(self.config.prior, self.config.k)
+            c = self.config
+            if not self.pooled_outlook.known and c.outlook_prior > 0:  # the first scored draft: from the prior
+                self.pooled_outlook = Outlook.prior(c.prior, c.k, c.outlook_prior, c.trust)
             if not self.outlooks.get(row, Outlook()).known:
-                self.outlooks[row] = self.pooled_outlook.restart()
+                self.outlooks[row] = self.pooled_outlook.restart(self._restart_weight)
             gains = self.calibration.get(d.label, Calibration()).gains(d)
             gains += gains[-1:] * (self.asked.get(row, 0) - len(d))  # asked for more: that was all it had
             outlook = self.outlooks[row]
@@ -462,6 +463,11 @@ class Policy:
     def _draft_alpha(self, row: int, d: Draft) -> float:
         alpha = self.label_alpha(d.label) if d.label else None
         return self.alpha(row) if alpha is None else alpha
+
+    @property
+    def _restart_weight(self) -> float:
+        """The most drafts' weight a new request's outlook gives the pooled means."""
+        return max(1.0, self.config.outlook_prior)
 
     @property
     def bar(self) -> float:

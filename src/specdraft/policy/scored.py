@@ -22,8 +22,6 @@ from specdraft.accept import Acceptance
 from specdraft.draft import Draft
 
 PRIOR_MASS = 2.0  # confidence mass at scale 1 each depth starts with: trust the proposer at first
-PRIOR_DRAFTS = 4.0  # drafts' worth of weight the prior outlook keeps in a new request's (and the pooled) means
-REALISM_PRIOR = 3.0  # tokens of evidence, before a row's own record, that its drafts yield what was expected
 
 
 @dataclass(slots=True)
@@ -77,19 +75,20 @@ class Outlook:
     weight: list[float] = field(default_factory=lambda: [0.0])
     accepted: float = 0.0
     expected: float = 0.0
+    trust: float = 1.0  # tokens of evidence, before the row's own record, that its drafts yield what was expected
 
     @property
     def known(self) -> bool:
         return len(self.gains) > 1
 
     @classmethod
-    def prior(cls, alpha: float, k: int) -> "Outlook":
+    def prior(cls, alpha: float, k: int, weight: float, trust: float) -> "Outlook":
         """Before any scored draft: a chain's yield with per-node acceptance ``alpha`` for n = 0..k
-        nodes, worth ``PRIOR_DRAFTS`` drafts. Estimated from a few drafts alone, an outlook can
+        nodes, worth ``weight`` drafts. Estimated from a few drafts alone, an outlook can
         start so low that the policy stops drafting and never sees the evidence that would lift it
         (drafts' yields vary several-fold from one to the next)."""
         gains = [alpha * (1.0 - alpha**n) / (1.0 - alpha) for n in range(k + 1)]
-        return cls(gains, [PRIOR_DRAFTS] * (k + 1))
+        return cls(gains, [weight] * (k + 1), trust=trust)
 
     def add(self, gains: list[float], decay: float) -> None:
         missing = len(gains) - len(self.gains)
@@ -109,14 +108,14 @@ class Outlook:
     @property
     def realism(self) -> float:
         """The row's accepted tokens per expected one (1 before any evidence)."""
-        return (self.accepted + REALISM_PRIOR) / (self.expected + REALISM_PRIOR)
+        return (self.accepted + self.trust) / (self.expected + self.trust)
 
     def at(self, n: int) -> float:
         """Expected accepted tokens keeping n nodes: the best of the means up to n (a draft
         with more nodes to keep never yields less), scaled by the row's realism."""
         return min(float(n), max(self.gains[: max(n, 0) + 1]) * self.realism)
 
-    def restart(self) -> "Outlook":
-        """A new row's outlook: these means, weighted as at most ``PRIOR_DRAFTS`` drafts (its own
-        drafts soon lead), and no record of its own yet."""
-        return Outlook(list(self.gains), [min(w, PRIOR_DRAFTS) for w in self.weight])
+    def restart(self, weight: float = 1.0) -> "Outlook":
+        """A new row's outlook: these means, weighted as at most ``weight`` drafts (its own drafts
+        soon lead), and no record of its own yet."""
+        return Outlook(list(self.gains), [min(w, weight) for w in self.weight], trust=self.trust)
