@@ -879,6 +879,8 @@ def test_propose_cost_fits_constant_and_per_level_costs() -> None:
     from specdraft.policy import ProposeCost
 
     lookup, model = ProposeCost(), ProposeCost()
+    for p in (lookup, model):
+        p.observe(8, 1.0)  # the first drafting step pays one-time costs: not counted
     for depth in [1, 3, 5, 8, 2, 6] * 3:
         lookup.observe(depth, 0.002)  # a table lookup: the same whatever the depth
         model.observe(depth, 0.001 + 0.010 * depth)  # one draft forward per level
@@ -886,9 +888,17 @@ def test_propose_cost_fits_constant_and_per_level_costs() -> None:
     assert model.estimate(4) == pytest.approx(0.041, rel=1e-6)
     assert model.estimate(0) == 0.0
     same = ProposeCost()
-    for _ in range(5):
+    for _ in range(6):
         same.observe(4, 0.04)  # no spread in depth yet: charged per level
     assert same.estimate(8) == pytest.approx(0.08)
+    first = ProposeCost()
+    for budget, seconds in ((2, 0.011), (1, 0.003)):
+        first.observe(budget, seconds)
+    assert first.estimate(2) == pytest.approx(0.006)  # not 8 ms a node, from a slow first step
+    origin = ProposeCost()
+    for budget, seconds in ((1, 9.0), (1, 0.001), (2, 0.002), (4, 0.010)):
+        origin.observe(budget, seconds)
+    assert origin.estimate(1) == pytest.approx(0.045 / 21)  # the fitted line would cross zero: through the origin
 
 
 def test_verify_reuses_cached_plain_outputs(tiny: Setup, tmp_path: Path) -> None:

@@ -190,13 +190,20 @@ class ProposeCost:
     fitted by least squares over the last ``window`` drafting steps: what asking for a draft
     of that size costs. A lookup proposer costs a constant; a draft model one forward per
     token; a tree drafter one step per level up to its depth. Until the budgets vary, all of
-    the time is charged per token (the cautious reading: it discourages long drafts)."""
+    the time is charged per token (the cautious reading: it discourages long drafts). The first
+    drafting step is not counted: it pays one-time costs (buffers, caches, lazy set-up; in int4
+    an MTP module's first proposal took 11 ms, the next 3), and an estimate that high kept the
+    policy from ever drafting again, so no later step could correct it."""
 
     window: int = 64
     samples: list[tuple[int, float]] = field(default_factory=list)
+    warm: bool = False  # the first (uncounted) drafting step has been seen
 
     def observe(self, budget: int, seconds: float) -> None:
         if budget <= 0:
+            return
+        if not self.warm:
+            self.warm = True
             return
         self.samples.append((budget, seconds))
         if len(self.samples) > self.window:
@@ -217,4 +224,6 @@ class ProposeCost:
             return 0.0, mean_t / mean_d
         b = statistics.fmean([(d - mean_d) * (t - mean_t) for d, t in zip(ds, ts)]) / var
         b = max(b, 0.0)
-        return max(mean_t - b * mean_d, 0.0), b
+        if mean_t - b * mean_d < 0.0:  # the line through the origin that fits best, not a steeper one
+            return 0.0, sum(d * t for d, t in zip(ds, ts)) / sum(d * d for d in ds)
+        return mean_t - b * mean_d, b
