@@ -297,6 +297,14 @@ def test_medusa_training_learns_saves_resumes_and_refuses_other_settings(
     assert evaluate(heads, batches).tau > evaluate(start, batches).tau
     with pytest.raises(SpecdraftError, match="other settings"):
         train_medusa(tiny, data, out, MedusaTrainConfig(heads=3, draft_vocab=64, epochs=3))
+    # --init: a run that starts from the trained heads (and barely moves) measures what they measured
+    again = train_medusa(tiny, data, tmp_path / "again", MedusaTrainConfig(**{**cfg.key(), "epochs": 1, "lr": 1e-12,
+                                                                             "init": str(out)}))
+    assert abs(again.tau - result.tau) < 0.05 and again.tau > 1.0
+    with pytest.raises(SpecdraftError, match="3 heads|2 heads"):  # the settings must match the heads they start from
+        train_medusa(tiny, data, tmp_path / "m3", MedusaTrainConfig(heads=3, draft_vocab=64, init=str(out)))
+    assert main(["train", "medusa", "--data", str(data), "--out", str(tmp_path / "m4"), "--init", str(tmp_path / "nowhere"),
+                 "--heads", "2", "--draft-vocab", "64"]) == 2
     assert main(["train", "medusa", "--data", str(tmp_path / "nowhere"), "--out", str(out)]) == 2
 
 

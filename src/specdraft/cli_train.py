@@ -60,6 +60,9 @@ def add_train_commands(sub: argparse._SubParsersAction, add_model_options) -> No
     m.add_argument("--limit", type=int, default=None, help="train answers used (default: all)")
     m.add_argument("--sources", default="", help="only the answers to these prompt sets, comma-separated (e.g. alpaca-libre,oasst1), in both splits; default: all")
     m.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per batch (default: 2048)")
+    m.add_argument("--init", default="", metavar="DIR",
+                   help="start from these trained medusa heads (their draft vocabulary; --heads and --draft-vocab must "
+                        "match; e.g. to go on training the shipped ones on more data) instead of the target's LM head")
     m.add_argument("--time-budget", type=float, default=None, metavar="SECONDS", help="stop with a checkpoint after this long")
     m.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
     add_model_options(m)
@@ -221,7 +224,7 @@ def cmd_train_medusa(args: argparse.Namespace) -> int:
 
     cfg = MedusaTrainConfig(heads=args.heads, draft_vocab=args.draft_vocab, epochs=args.epochs, lr=args.lr,
                             batch_tokens=args.batch_tokens, seed=args.seed, limit=args.limit,
-                            sources=_sources(args), time_budget_s=args.time_budget)
+                            sources=_sources(args), time_budget_s=args.time_budget, init=args.init)
     result = train_medusa(_teacher(args), args.data, args.out, cfg)
     return _report("medusa", result, args.out)
 

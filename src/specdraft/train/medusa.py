@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from specdraft.errors import SpecdraftError
-from specdraft.heads.medusa import MedusaConfig, MedusaHeads, save_medusa
+from specdraft.heads.medusa import MedusaConfig, MedusaHeads, load_medusa, save_medusa
 from specdraft.model.loader import LoadedModel
 from specdraft.train.common import (checkpoint_key, Loop, TeacherCache, data_fingerprint, draft_index, draft_vocabulary, resume,
                                     soft_cross_entropy, splits, train_loop)
@@ -49,6 +49,7 @@ class MedusaTrainConfig:
     limit: int | None = None  # train records used (None: all)
     sources: tuple[str, ...] = ()  # train and held-out records of these prompt sets only (() = all)
     time_budget_s: float | None = None  # stop (with a checkpoint) after this long
+    init: str = ""  # trained heads' folder to start from (their count and vocabulary); "" = the target's LM head
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.lr <= 0 or self.soft_top_k < 1 or self.checkpoint_every < 1:
@@ -128,6 +129,22 @@ def evaluate(heads: MedusaHeads, model_batches: Seq[TeacherBatch]) -> HeldOut:
     return HeldOut(total, [r / total for r in right], 1.0 + lead_sum / total)
 
 
+def _start(loaded: LoadedModel, train_records: Seq[Any], cfg: MedusaTrainConfig) -> MedusaHeads:
+    """The heads training starts from: ``cfg.init``'s trained ones (float32; their count and draft
+    vocabulary must be the settings'), or new ones over the answers' most frequent tokens that
+    read out through the target's LM head."""
+    c = loaded.config
+    if cfg.init:
+        heads = load_medusa(cfg.init, c.hidden_size, c.vocab_size).float()
+        if (heads.config.heads, heads.config.draft_vocab) != (cfg.heads, cfg.draft_vocab):
+            raise SpecdraftError(f"--init {cfg.init} has {heads.config.heads} heads over {heads.config.draft_vocab} "
+                                 f"draft tokens, not --heads {cfg.heads} --draft-vocab {cfg.draft_vocab}")
+        return heads
+    vocab = draft_vocabulary(loaded, train_records, cfg.draft_vocab)
+    return MedusaHeads.from_target(MedusaConfig(cfg.heads, c.hidden_size, cfg.draft_vocab, c.vocab_size), vocab,
+                                   loaded.model.lm_head.weight.detach().float())
+
+
 def train_medusa(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: MedusaTrainConfig,
                  log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> HeldOut:
     """Train (or resume) Medusa heads for ``loaded`` on the data folder; see the module doc."""
@@ -136,10 +153,8 @@ def train_medusa(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: Me
     folder.mkdir(parents=True, exist_ok=True)
     model, c = loaded.model, loaded.config
     torch.manual_seed(cfg.seed)
-    vocab = draft_vocabulary(loaded, train_records, cfg.draft_vocab)
-    heads = MedusaHeads.from_target(MedusaConfig(cfg.heads, c.hidden_size, cfg.draft_vocab, c.vocab_size), vocab,
-                                    model.lm_head.weight.detach().float())
-    heads.to(model.device)
+    heads = _start(loaded, train_records, cfg).to(model.device)
+    vocab = heads.vocab
     opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr)
     key = {**cfg.key(), "target": loaded.source.name, "data": data_fingerprint(pairs)}
     progress = resume(folder, key, heads, opt, {"epoch": 0, "batch": 0}, vocab=vocab.target_ids)
