@@ -879,8 +879,6 @@ def test_propose_cost_fits_constant_and_per_level_costs() -> None:
     from specdraft.policy import ProposeCost
 
     lookup, model = ProposeCost(), ProposeCost()
-    for p in (lookup, model):
-        p.observe(8, 1.0)  # the first drafting step pays one-time costs: not counted
     for depth in [1, 3, 5, 8, 2, 6] * 3:
         lookup.observe(depth, 0.002)  # a table lookup: the same whatever the depth
         model.observe(depth, 0.001 + 0.010 * depth)  # one draft forward per level
@@ -891,14 +889,33 @@ def test_propose_cost_fits_constant_and_per_level_costs() -> None:
     for _ in range(6):
         same.observe(4, 0.04)  # no spread in depth yet: charged per level
     assert same.estimate(8) == pytest.approx(0.08)
-    first = ProposeCost()
-    for budget, seconds in ((2, 0.011), (1, 0.003)):
-        first.observe(budget, seconds)
-    assert first.estimate(2) == pytest.approx(0.006)  # not 8 ms a node, from a slow first step
     origin = ProposeCost()
-    for budget, seconds in ((1, 9.0), (1, 0.001), (2, 0.002), (4, 0.010)):
+    for budget, seconds in ((1, 0.001), (2, 0.002), (4, 0.010)):
         origin.observe(budget, seconds)
     assert origin.estimate(1) == pytest.approx(0.045 / 21)  # the fitted line would cross zero: through the origin
+
+
+def test_proposing_cost_skips_the_first_step_and_scales_unmeasured_batch_sizes_by_rows() -> None:
+    """The proposer's very first drafting step (one-time costs) is not counted, only that one;
+    a batch size not measured yet is priced from the nearest measured ones, per row: a draining
+    batch passes through each size once, and pricing 60 rows at a 10-row cost had the policy
+    draft whole trees there (50 ms a step) to keep one token per row."""
+    policy = Policy(PolicyConfig(kind="adaptive", k=8), cost_table(64, per_token=0.01))
+    policy.observe_propose_time(2, 0.011, batch=1)  # the first ever: one-time costs
+    policy.observe_propose_time(1, 0.003, batch=1)
+    assert policy.proposing(1, 2) == pytest.approx(0.006)  # not 5.5 ms a node, from the slow first step
+    policy.observe_propose_time(8, 0.008, batch=10)  # a new size's first step counts
+    assert policy.proposing(10, 8) == pytest.approx(0.008)
+    assert policy.proposing(60, 8) == pytest.approx(0.048)  # 6x the rows of the largest smaller size
+    assert policy.proposing(5, 8) == pytest.approx(0.008)  # 5x one row's 24 ms, bounded by 10 rows' 8 ms
+    policy.observe_propose_time(8, 0.030, batch=40)
+    assert policy.proposing(60, 8) == pytest.approx(0.045)  # from 40 rows, now the nearest below
+    assert policy.proposing(20, 8) == pytest.approx(0.016)  # from 10 rows (0.016 < 40 rows' 0.030)
+    only_large = Policy(PolicyConfig(kind="adaptive", k=8), cost_table(64, per_token=0.01))
+    only_large.observe_propose_time(8, 1.0, batch=32)  # (the first: not counted)
+    assert only_large.proposing(8, 8) == 0.0  # nothing measured: taken as cheap
+    only_large.observe_propose_time(8, 0.032, batch=32)
+    assert only_large.proposing(8, 8) == pytest.approx(0.008)  # the larger size's time per row
 
 
 def test_verify_reuses_cached_plain_outputs(tiny: Setup, tmp_path: Path) -> None:

@@ -108,6 +108,7 @@ class Policy:
         self.probe_needs = 0.0  # ...that it needed to match plain decoding's rate (set by trim())
         self.looking = False  # this step drafts first and is gated in trim() (cheap proposer)
         self.propose_costs: dict[int, ProposeCost] = {}  # per batch size: the proposer's time against its budget
+        self.propose_warm = False  # the proposer's first drafting step (one-time costs, not counted) is past
         self.calibration: dict[str, Calibration] = {}  # draft label -> its confidences against outcomes
         self.outlooks: dict[int, Outlook] = {}  # per row: what its confident drafts were expected to yield
         self.pooled_outlook = Outlook(trust=config.trust)  # the same across requests (where a new request starts)
@@ -119,7 +120,7 @@ class Policy:
     # what the policy has learned (per row and across requests), without the cost model
     _MEMORY = ("evidence", "by_label", "pooled", "holds", "idle_steps", "probing", "probe_gap", "probe_gain",
                "probe_needs",
-               "looking", "propose_costs", "calibration", "outlooks", "pooled_outlook",
+               "looking", "propose_costs", "propose_warm", "calibration", "outlooks", "pooled_outlook",
                "since_full", "realism", "expected_extra", "asked")
 
     def snapshot(self) -> dict[str, object]:
@@ -476,7 +477,17 @@ class Policy:
         return 1.0 + self.config.margin
 
     def observe_propose_time(self, budget: int, seconds: float, batch: int = 1) -> None:
-        """One drafting step for ``batch`` rows, with budgets up to ``budget``, took ``seconds``."""
+        """One drafting step for ``batch`` rows, with budgets up to ``budget``, took ``seconds``.
+        The proposer's very first one is not counted: it pays one-time costs (buffers, caches,
+        lazy set-up; in int4 an MTP module's first proposal took 11 ms, the next 3), and an
+        estimate that high kept the policy from ever drafting again. Only the first: left out
+        at every batch size's first step, the sizes a draining batch passes through once each
+        stayed unmeasured and were priced from much smaller ones (below)."""
+        if budget <= 0:
+            return
+        if not self.propose_warm:
+            self.propose_warm = True
+            return
         self.propose_costs.setdefault(batch, ProposeCost()).observe(budget, seconds)
 
     def observe_verify_time(self, batch: int, q: int, seconds: float) -> None:
@@ -487,7 +498,18 @@ class Policy:
 
     def proposing(self, batch: int, budget: int) -> float:
         """The proposer's expected seconds for a budget at this batch size: measured at this
-        size, else at the largest smaller one measured (drafting for more rows costs at least
-        as much), else 0 (a proposer is taken as cheap until measured)."""
-        sizes = [b for b, c in self.propose_costs.items() if b <= batch and c.samples]
-        return self.propose_costs[max(sizes)].estimate(budget) if sizes else 0.0
+        size; else the nearest sizes measured, scaled by the rows (drafting is mostly per row:
+        an MTP module's 8-token tree took 5 ms for 8 rows and 50 ms for 63), a larger size's
+        time being the bound above; else 0 (a proposer is taken as cheap until measured).
+        Unscaled, a draining batch's new sizes were priced at a few rows' cost and the policy
+        drafted whole trees at 60 rows to keep one token of each."""
+        measured = {b: c for b, c in self.propose_costs.items() if c.samples}
+        if batch in measured:
+            return measured[batch].estimate(budget)
+        below = max((b for b in measured if b < batch), default=None)
+        above = min((b for b in measured if b > batch), default=None)
+        bound = measured[above].estimate(budget) if above is not None else None
+        if below is None:  # only larger sizes measured: their time per row (fixed costs make it more)
+            return 0.0 if bound is None else bound * batch / above
+        scaled = measured[below].estimate(budget) * batch / below
+        return scaled if bound is None else min(scaled, bound)

@@ -190,20 +190,14 @@ class ProposeCost:
     fitted by least squares over the last ``window`` drafting steps: what asking for a draft
     of that size costs. A lookup proposer costs a constant; a draft model one forward per
     token; a tree drafter one step per level up to its depth. Until the budgets vary, all of
-    the time is charged per token (the cautious reading: it discourages long drafts). The first
-    drafting step is not counted: it pays one-time costs (buffers, caches, lazy set-up; in int4
-    an MTP module's first proposal took 11 ms, the next 3), and an estimate that high kept the
-    policy from ever drafting again, so no later step could correct it."""
+    the time is charged per token (the cautious reading: it discourages long drafts). (The
+    policy leaves out the proposer's very first drafting step, which pays one-time costs.)"""
 
     window: int = 64
     samples: list[tuple[int, float]] = field(default_factory=list)
-    warm: bool = False  # the first (uncounted) drafting step has been seen
 
     def observe(self, budget: int, seconds: float) -> None:
         if budget <= 0:
-            return
-        if not self.warm:
-            self.warm = True
             return
         self.samples.append((budget, seconds))
         if len(self.samples) > self.window:
