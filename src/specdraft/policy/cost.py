@@ -195,6 +195,7 @@ class ProposeCost:
 
     window: int = 64
     samples: list[tuple[int, float]] = field(default_factory=list)
+    fitted: tuple[float, float] | None = None  # fit() of the current samples (the policy asks ~10 times a step)
 
     def observe(self, budget: int, seconds: float) -> None:
         if budget <= 0:
@@ -202,11 +203,14 @@ class ProposeCost:
         self.samples.append((budget, seconds))
         if len(self.samples) > self.window:
             del self.samples[0]
+        self.fitted = None
 
     def estimate(self, budget: int) -> float:
         if budget <= 0 or not self.samples:
             return 0.0
-        a, b = self.fit()
+        if self.fitted is None:
+            self.fitted = self.fit()
+        a, b = self.fitted
         return max(a + b * budget, 0.0)
 
     def fit(self) -> tuple[float, float]:
