@@ -326,12 +326,16 @@ def test_bench_serve_interleaves_its_servers_and_pools_rounds(tiny_long: Path, t
     for c in cells:
         assert c["rounds"] == 2 and c["requests"] == 4 and c["errors"] == 0 and c["tokens"] > 0
         assert c["tau"] is not None and c["tau"] >= 1.0
+        assert set(c["engine_s"]) == {"prefill", "propose", "verify", "other"}  # the server's time split
+        assert c["engine_s"]["verify"] > 0 and 0 < sum(c["engine_s"].values()) < c["seconds"]
         assert len(c["round_throughput"]) == 2 and min(c["round_throughput"]) > 0
         pooled = c["tokens"] / c["seconds"]  # between the rounds' rates
         assert min(c["round_throughput"]) - 1e-9 <= pooled <= max(c["round_throughput"]) + 1e-9
     report = (tmp_path / "bs" / "report.md").read_text()
     assert "by round" in report and any(len(line.split(" / ")) == 2 for line in report.splitlines())
-    assert next(c for c in cells if c["engine"] == "specdraft:plain")["tau"] == 1.0
+    assert "server s" in report and " of " in report  # the server's time split against the cell's wall time
+    plain = next(c for c in cells if c["engine"] == "specdraft:plain")
+    assert plain["tau"] == 1.0 and plain["engine_s"]["propose"] < 0.05 * plain["engine_s"]["verify"]  # no drafting
     ran = [line.split()[1] for line in lines if " c=" in line]  # engines in the order their cells ran
     assert len(ran) == 8 and ran[:2] != ran[2:4]  # the second round starts with the other server
     assert (tmp_path / "bs" / "report.md").exists()

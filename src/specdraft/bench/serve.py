@@ -86,6 +86,7 @@ class Cell:
     emitted: float = 0.0
     drafted: float = 0.0
     accepted: float = 0.0
+    engine_s: dict[str, float] = field(default_factory=dict)  # the server's scheduler time by phase (/metrics)
     rounds: int = 1
     round_throughput: list[float] = field(default_factory=list)  # tok/s of each round, in order
 
@@ -106,6 +107,8 @@ class Cell:
         for name in ("requests", "seconds", "tokens", "errors", "passes", "emitted", "drafted", "accepted", "rounds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.round_throughput += other.round_throughput
+        for phase, secs in other.engine_s.items():
+            self.engine_s[phase] = self.engine_s.get(phase, 0.0) + secs
         self.ttft += other.ttft
         self.itl += other.itl
         self.tpot += other.tpot
@@ -121,7 +124,7 @@ class Cell:
                 "ttft_p50": _pct(self.ttft, 50), "ttft_p99": _pct(self.ttft, 99),
                 "itl_p50": _pct(self.itl, 50), "itl_p99": _pct(self.itl, 99), "tpot_p50": _pct(self.tpot, 50),
                 "tau": self.tau, "acceptance": self.acceptance, "rounds": self.rounds,
-                "round_throughput": self.round_throughput}
+                "round_throughput": self.round_throughput, "engine_s": self.engine_s}
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -284,6 +287,10 @@ def run_cell(url: str, model: str, engine: str, method: str, workload: str, mess
                            ("accepted", "accepted_tokens")):
         name = f"specdraft_{series}_total"
         setattr(cell, field_, _metric(after, name) - _metric(before, name))
+    for phase in ("prefill", "propose", "verify", "other"):  # where the server's scheduler spent the cell
+        names = [k for k in after if k.startswith("specdraft_engine_seconds_total{") and f'phase="{phase}"' in k]
+        if names:
+            cell.engine_s[phase] = sum(after[k] - before.get(k, 0.0) for k in names)
     return cell
 
 

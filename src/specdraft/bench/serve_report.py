@@ -53,7 +53,9 @@ def write_serve_report(folder: Path, results: dict[str, Any] | None = None) -> P
              "Throughput is output tokens per second of wall time over the cell; speedup is over specdraft's plain "
              "serving at the same concurrency (pooled over rounds; by round: each round against plain's same "
              "round); TTFT and ITL (gap between streamed chunks) in ms; tau = tokens per "
-             "target pass per row (from the server's /metrics).", ""]
+             "target pass per row (from the server's /metrics); server s: the server's scheduler time over the cell "
+             "in prompt feeding / drafting / verification / the rest of its steps (/metrics), against the cell's "
+             "wall time in seconds.", ""]
     for workload in dict.fromkeys(c["workload"] for c in cells):
         rows = []
         for c in (c for c in cells if c["workload"] == workload):
@@ -61,10 +63,10 @@ def write_serve_report(folder: Path, results: dict[str, Any] | None = None) -> P
             rows.append([c["engine"], c["concurrency"], c["requests"], f"{c['throughput']:.1f}",
                          "-" if sp is None else f"{sp:.2f}x", _round_speedups(c, cells), _ms(c["ttft_p50"]),
                          _ms(c["ttft_p99"]), _ms(c["itl_p50"]), _ms(c["itl_p99"]), _ms(c["tpot_p50"]),
-                         "-" if c["tau"] is None else f"{c['tau']:.2f}", c["errors"]])
+                         "-" if c["tau"] is None else f"{c['tau']:.2f}", _engine_split(c), c["errors"]])
         lines += [f"## {workload}", "", format_table(
             ["engine", "conc.", "requests", "tok/s", "speedup", "by round", "TTFT p50", "TTFT p99", "ITL p50",
-             "ITL p99", "TPOT p50", "tau", "errors"], rows), ""]
+             "ITL p99", "TPOT p50", "tau", "server s", "errors"], rows), ""]
     if results.get("notes"):
         lines += ["## Notes", ""] + [f"- {n}" for n in results["notes"]] + [""]
     plots = write_serve_plots(folder, cells)
@@ -73,6 +75,15 @@ def write_serve_report(folder: Path, results: dict[str, Any] | None = None) -> P
     path = folder / "report.md"
     path.write_text("\n".join(lines))
     return path
+
+
+def _engine_split(cell: dict[str, Any]) -> str:
+    """'prefill/propose/verify/other of wall' seconds, or '-' for a server without them (a peer)."""
+    split = cell.get("engine_s") or {}
+    if not split:
+        return "-"
+    parts = "/".join(f"{split.get(p, 0.0):.1f}" for p in ("prefill", "propose", "verify", "other"))
+    return f"{parts} of {cell['seconds']:.1f}"
 
 
 def write_serve_plots(folder: Path, cells: list[dict[str, Any]]) -> list[Path]:

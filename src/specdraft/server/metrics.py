@@ -107,6 +107,11 @@ class _SchedulerCollector(Collector):
         yield _counter("specdraft_target_passes", "Row-steps: one row in one target pass", st.steps, method)
         yield _gauge("specdraft_tau", "Tokens per target pass per row (1 = no speculation)", st.tau, method)
         yield _gauge("specdraft_acceptance_rate", "Accepted / verified draft tokens", st.acceptance_rate, method)
+        seconds = CounterMetricFamily("specdraft_engine_seconds", "The scheduler thread's time in prompt feeding, "
+                                      "drafting, verification and the rest of a step", labels=["method", "phase"])
+        for phase in ("prefill", "propose", "verify", "other"):
+            seconds.add_metric([method, phase], getattr(st, f"{phase}_s"))
+        yield seconds
 
 
 def _gauge(name: str, doc: str, value: float, method: str | None = None) -> GaugeMetricFamily:
