@@ -391,3 +391,28 @@ def test_mtp_training_learns_and_saves_a_loadable_module(tiny: LoadedModel, tmp_
         assert main(["train", "eval", str(folder), "--data", str(data), "--model", str(tiny.source)]) == 2
         err = capsys.readouterr().err
         assert needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_references_keep_to_the_chosen_sets_and_enter_the_draft_vocabulary(
+        tiny: LoadedModel, train_folder: Path, tmp_path: Path) -> None:
+    from specdraft.heads.mtp_checkpoint import load_mtp
+    from specdraft.train.common import reference_pairs
+    from specdraft.train.eagle import EagleTrainConfig, train_eagle
+
+    tok = tiny.tokenizer
+    every = reference_pairs(tiny, train_folder, 100)
+    roleplay = reference_pairs(tiny, train_folder, 100, sources=("gpteacher-roleplay",))
+    expected = [p for p in load_training_prompts(train_folder, ("gpteacher-roleplay",)) if p.split == "train"]
+    assert len(roleplay) == len(expected) < len(every)
+    assert [a for _, a in roleplay] == [tok.encode(p.reference, add_bos=False, add_eos=False, parse_special=False)
+                                        + [tok.eos_id] for p in expected]
+    # a run on one own answer and the references: its draft vocabulary is built from both
+    data = tmp_path / "data"
+    prompts = [TrainPrompt(f"p/{i}", "p", f"Say {i} twice.", None) for i in range(40)]
+    generate_data(tiny, prompts, data, DataConfig(max_new_tokens=8, temperatures=(0.0,), batch_size=8))
+    cfg = EagleTrainConfig(draft_vocab=64, steps=1, epochs=1, batch_tokens=256, eval_steps=1, limit=1,
+                           references=100)
+    train_eagle(tiny, data, tmp_path / "mtp", cfg, prompts_root=train_folder, kind="mtp")
+    vocab = set(load_mtp(tmp_path / "mtp", tiny.config).target_ids.tolist())
+    reference_tokens = {t for _, a in every for t in a}
+    assert len(reference_tokens) < 64 and reference_tokens <= vocab  # every token the references use

@@ -87,7 +87,7 @@ def add_train_commands(sub: argparse._SubParsersAction, add_model_options) -> No
         e.add_argument("--sources", default="", help="only the answers to these prompt sets, comma-separated (e.g. alpaca-libre,oasst1), in both splits; default: all")
         e.add_argument("--references", type=int, default=0,
                        help="also train on this many train-split prompts with the data set's own answers (teacher "
-                            "forcing; needs --prompts)")
+                            "forcing; from the --sources sets when given; needs --prompts)")
         e.add_argument("--prompts", default=None, metavar="DIR", help="training prompts folder, for --references")
         e.add_argument("--batch-tokens", type=int, default=1024, help="padded tokens per batch (default: 1024)")
         e.add_argument("--init", default="", metavar="DIR",

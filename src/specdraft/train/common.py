@@ -10,7 +10,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence as Seq
+from collections.abc import Callable, Iterable, Iterator, Sequence as Seq
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -56,16 +56,18 @@ def splits(data: str | Path, limit: int | None, sources: Seq[str] = ()) -> tuple
     return [(r["prompt"], r["response"]) for r in train], [(r["prompt"], r["response"]) for r in held], train
 
 
-def reference_pairs(loaded: LoadedModel, prompts_root: str | Path, count: int, max_len: int = 768) -> list[Pair]:
+def reference_pairs(loaded: LoadedModel, prompts_root: str | Path, count: int, max_len: int = 768,
+                    sources: Seq[str] = ()) -> list[Pair]:
     """Up to ``count`` train-split prompts with the data set's own answer (teacher forcing,
     EAGLE-1's recipe: the target's soft labels on text it did not write cost only a prefill),
-    as (chat prompt ids, answer ids + EOS). Validation prompts are never used."""
+    as (chat prompt ids, answer ids + EOS), from the ``sources`` sets only (() = all), taken
+    in the folder's interleaved order. Validation prompts are never used."""
     from specdraft.train.prompts import load_training_prompts
 
     tok = loaded.tokenizer
     eos = [tok.eos_id] if tok.eos_id is not None else []
     pairs: list[Pair] = []
-    for p in load_training_prompts(prompts_root):
+    for p in load_training_prompts(prompts_root, tuple(sources) or None):
         if len(pairs) >= count:
             break
         if p.split != "train" or not p.reference:
@@ -77,10 +79,11 @@ def reference_pairs(loaded: LoadedModel, prompts_root: str | Path, count: int, m
     return pairs
 
 
-def draft_vocabulary(loaded: LoadedModel, train: Seq[dict[str, Any]], size: int) -> DraftVocab:
-    """The ``size`` most frequent tokens of the train answers (and the EOS token)."""
+def draft_vocabulary(loaded: LoadedModel, answers: Iterable[Seq[int]], size: int) -> DraftVocab:
+    """The ``size`` most frequent tokens of the train answers (the target's own, and any
+    references; and the EOS token)."""
     eos = loaded.tokenizer.eos_id
-    counts = token_counts((r["response"] for r in train), loaded.config.vocab_size)
+    counts = token_counts(answers, loaded.config.vocab_size)
     return most_frequent(counts, size, always=(eos,) if eos is not None else ())
 
 

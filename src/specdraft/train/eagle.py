@@ -38,7 +38,7 @@ from specdraft.heads.mtp import MtpHead
 from specdraft.heads.mtp_checkpoint import load_mtp, save_mtp
 from specdraft.heads.eagle_checkpoint import load_eagle, save_eagle
 from specdraft.model.loader import LoadedModel
-from specdraft.train.common import (checkpoint_key, Loop, TeacherCache, data_fingerprint, draft_index, draft_vocabulary,
+from specdraft.train.common import (checkpoint_key, Loop, Pair, TeacherCache, data_fingerprint, draft_index, draft_vocabulary,
                                     reference_pairs, resume, soft_cross_entropy, splits, train_loop)
 from specdraft.train.teacher import TeacherBatch, TeacherConfig, length_batches
 
@@ -184,16 +184,17 @@ def start_from_target(head: FeatureHead, loaded: LoadedModel) -> None:
     head.lm_head.weight.copy_(loaded.model.lm_head.weight[head.target_ids].float())
 
 
-def _start(loaded: LoadedModel, train_records: Seq[Any], cfg: EagleTrainConfig, kind: str) -> FeatureHead:
+def _start(loaded: LoadedModel, pairs: Seq[Pair], cfg: EagleTrainConfig, kind: str) -> FeatureHead:
     """The head training starts from: ``cfg.init``'s trained one (float32), or a new one over
-    the answers' most frequent tokens that reads out like the target (``start_from_target``)."""
+    the training answers' most frequent tokens (the target's own and any references) that
+    reads out like the target (``start_from_target``)."""
     if cfg.init:
         head: FeatureHead = (load_eagle(cfg.init, loaded.config) if kind == "eagle"
                              else load_mtp(cfg.init, loaded.config)).float()
         if cfg.taps and tuple(cfg.taps) != head.config.taps:
             raise SpecdraftError(f"--init {cfg.init} reads taps {head.config.taps}, not {tuple(cfg.taps)}")
         return head
-    vocab = draft_vocabulary(loaded, train_records, cfg.draft_vocab)
+    vocab = draft_vocabulary(loaded, (answer for _, answer in pairs), cfg.draft_vocab)
     head = (EagleHead.for_target(loaded.config, vocab, cfg.taps or None) if kind == "eagle"
             else MtpHead.for_target(loaded.config, vocab))
     start_from_target(head, loaded)
@@ -208,15 +209,15 @@ def train_eagle(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: Eag
     teacher-forced answers from ``prompts_root``); see the module doc."""
     if kind not in ("eagle", "mtp"):
         raise SpecdraftError(f"unknown head kind {kind!r}")
-    pairs, held, train_records = splits(data, cfg.limit, cfg.sources)
+    pairs, held, _ = splits(data, cfg.limit, cfg.sources)
     if cfg.references:
         if prompts_root is None:
             raise SpecdraftError("references need the training prompts folder (--prompts)")
-        pairs = pairs + reference_pairs(loaded, prompts_root, cfg.references, cfg.max_len)
+        pairs = pairs + reference_pairs(loaded, prompts_root, cfg.references, cfg.max_len, cfg.sources)
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    head = _start(loaded, train_records, cfg, kind)
+    head = _start(loaded, pairs, cfg, kind)
     vocab = head.vocab
     head.to(loaded.model.device)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr)

@@ -140,7 +140,7 @@ def _start(loaded: LoadedModel, train_records: Seq[Any], cfg: MedusaTrainConfig)
             raise SpecdraftError(f"--init {cfg.init} has {heads.config.heads} heads over {heads.config.draft_vocab} "
                                  f"draft tokens, not --heads {cfg.heads} --draft-vocab {cfg.draft_vocab}")
         return heads
-    vocab = draft_vocabulary(loaded, train_records, cfg.draft_vocab)
+    vocab = draft_vocabulary(loaded, (r["response"] for r in train_records), cfg.draft_vocab)
     return MedusaHeads.from_target(MedusaConfig(cfg.heads, c.hidden_size, cfg.draft_vocab, c.vocab_size), vocab,
                                    loaded.model.lm_head.weight.detach().float())
 
