@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import sys
 import time
 import weakref
@@ -54,14 +55,17 @@ def extension() -> Any | None:
     try:
         from torch.utils.cpp_extension import load
 
-        digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+        flags = _cflags()
+        sources = b"".join(f.read_bytes() for f in sorted(SOURCE.parent.iterdir()) if f.suffix in (".cpp", ".h"))
+        digest = hashlib.sha256(sources + torch.__version__.encode() + " ".join(flags).encode()
+                                + _cpu_identity().encode()).hexdigest()[:12]
         name = f"specdraft_decode_{digest}"
         build = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
         compiled = not any(build.glob(f"{name}/{name}*.so")) and not any(build.glob(f"*/{name}/{name}*.so"))
         if compiled:
             print("specdraft: building the C++ decode loop (first use only, about 30 s)...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        _state["module"] = load(name=name, sources=[str(SOURCE)], extra_cflags=["-O2"], verbose=False)
+        _state["module"] = load(name=name, sources=[str(SOURCE)], extra_cflags=flags, verbose=False)
         _state.update(seconds=time.perf_counter() - t0, compiled=compiled)
     except Exception as e:  # no compiler, no headers, a torch without the tool chain: run Python
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
@@ -69,6 +73,44 @@ def extension() -> Any | None:
         print(f"specdraft: warning: C++ decode loop unavailable ({reason[:160]}); using the Python loop",
               file=sys.stderr, flush=True)
     return _state["module"]
+
+
+def _cflags() -> list[str]:
+    """-march=native on x86-64: attend.h's 16-lane vectors then map to the machine's registers
+    (on the SSE2 baseline its attention is 6x slower). The build is cached per CPU (the digest
+    includes ``_cpu_identity``)."""
+    native = platform.machine().lower() in ("x86_64", "amd64")
+    return ["-O2", "-march=native"] if native else ["-O2"]
+
+
+def _cpu_identity() -> str:
+    """The CPU's model name and flags (Linux), so that a -march=native build is not reused on
+    another kind of CPU sharing the same cache folder."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags", "Features"))]
+    return "\n".join(dict.fromkeys(keep))
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, rows: list[int], counts: list[int], picks: list[Tensor]) -> Tensor | None:
+    """Batch-invariant attention (``csrc/attend.h``): q [Q, Hkv, G, D], k, v [B, Hkv, S, D]; per
+    query its cache row and key count (-1: the next of ``picks``, index tensors). Returns
+    [Q, Hkv, G, D], or None where the kernel does not apply (no extension, not the CPU, or a
+    shape or dtype it does not cover): the caller then attends with SDPA. The C++ layer loop
+    makes the same choice, so both loops give the same bits; ``SPECDRAFT_FASTPATH=0`` does not
+    change it (it is numerics, not the loop)."""
+    if not attend_applies(q.shape[-1], q.shape[-2], q.dtype, q.device):
+        return None
+    return _state["module"].attend(q, k, v, rows, counts, picks)
+
+
+def attend_applies(head_dim: int, group: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether batch-invariant attention runs through ``csrc/attend.h`` for these shapes."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or extension() is None:
+        return False
+    return bool(_state["module"].attend_supports(head_dim, group))
 
 
 def status() -> dict[str, Any]:

@@ -29,9 +29,12 @@ def numerics_version(batch_invariant: bool) -> int:
     """Bumped whenever a change alters the bits a forward computes for the same inputs (part of
     the key of `specdraft verify`'s cache of plain outputs). Batch-invariant 2: prompts attend
     one call per row (`prompt_attention`); 3: one-row products run as two rows (`linear.py`);
-    4: a lone decoding token attends without the per-token wrapping (the same kernel call).
+    4: a lone decoding token attends without the per-token wrapping (the same kernel call);
+    5: attention through ``csrc/attend.h`` where it applies (the CPU with the C++ extension).
     Otherwise 2: float32 products of 1-3 rows take the packed path too (``linear.py``)."""
-    return 4 if batch_invariant else 2
+    if not batch_invariant:
+        return 2
+    return 5 if fastpath.extension() is not None else 4
 
 
 @dataclass(slots=True)
@@ -123,15 +126,23 @@ KeyPlan = list[list["int | Tensor"]]
 
 
 def invariant_attention(q: Tensor, k: Tensor, v: Tensor, plan: KeyPlan, group: int) -> Tensor:
-    """Attention computed one query token at a time, each with exactly the call a one-token
-    decoding step makes (its visible keys, no mask), so that a token's result does not depend
-    on how many tokens or rows share the forward. Fused SDPA kernels pick their blocking from
-    the query count and mask, which changes the rounding (enough to flip greedy choices in
-    bfloat16 after a few dozen tokens).
+    """Attention whose result for a token does not depend on how many tokens or rows share the
+    forward. Fused SDPA kernels pick their blocking from the query count and mask, which
+    changes the rounding (enough to flip greedy choices in bfloat16 after a few dozen tokens).
+    On the CPU with the C++ extension: ``csrc/attend.h``, invariant by construction (one task
+    per query and key/value head, an order fixed by the key count alone). Otherwise each query
+    token makes exactly the call a one-token decoding step makes (its visible keys, no mask).
 
     q: [B, Hq, T, D]; k, v: [B, Hkv, S, D]. Returns [B, Hq, T, D]."""
     b_, hq, t_, d = q.shape
     hkv = k.shape[1]
+    by_query = q.transpose(1, 2).reshape(b_ * t_, hkv, group, d)  # [B*T, Hkv, G, D]
+    flat = [n for row in plan for n in row]
+    counts = [n if isinstance(n, int) else -1 for n in flat]  # -1: the next of picks
+    out = fastpath.attend(by_query, k, v, [i // t_ for i in range(b_ * t_)], counts,
+                          [n for n in flat if not isinstance(n, int)])  # [B*T, Hkv, G, D] | None
+    if out is not None:  # csrc/attend.h: invariant by construction, as the C++ loop attends
+        return out.view(b_, t_, hq, d).transpose(1, 2)
     if b_ == 1 and t_ == 1 and plan[0][0] == k.shape[2]:  # one decoding token: the same call, unwrapped
         qt = q.reshape(1, hkv, group, d).contiguous()  # [1, Hkv, G, D]
         return F.scaled_dot_product_attention(qt, k, v).view(1, hq, 1, d)

@@ -5,6 +5,8 @@
 // (prompt chunks). See fastpath.py.
 #include <torch/extension.h>
 
+#include "attend.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <map>
@@ -128,7 +130,8 @@ bool same_bits_in_parallel(const Dims& n) {
 
 // invariant_attention for a plan: per query, a key count (>= 0: the first n keys) or -1, which
 // takes the next of ``picks`` (a tree node's visible key indices [n], in order).
-// In bfloat16 the queries' calls run side by side (at::parallel_for, each call then on one
+// Where attend.h covers the shapes (as transformer.py decides through fastpath.attend): its
+// kernel, invariant by construction. Otherwise one flash-attention call per query. In bfloat16 the queries' calls run side by side (at::parallel_for, each call then on one
 // thread): CPU flash attention gives the same bits on one thread as on several in bfloat16
 // (checked for 1-2,100 keys on this project's machines, once per process at the first call
 // (same_bits_in_parallel), and by the tests that compare batched rows with single ones), so a
@@ -136,6 +139,12 @@ bool same_bits_in_parallel(const Dims& n) {
 Tensor invariant(const Dims& n, const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int64_t>& counts,
                  const std::vector<Tensor>& picks) {
   const int64_t b = q.size(0), t = q.size(2), g = n.hq / n.hkv;
+  if (attend::supports(n.d, g, q.scalar_type())) {  // attend.h: invariant by construction
+    Tensor by_query = q.transpose(1, 2).reshape({b * t, n.hkv, g, n.d});  // [B*T, Hkv, G, D]
+    std::vector<int64_t> rows(b * t);
+    for (int64_t j = 0; j < b * t; ++j) rows[j] = j / t;
+    return attend::attention(by_query, k, v, rows, counts, picks).view({b, t, n.hq, n.d}).transpose(1, 2);
+  }
   if (b == 1 && t == 1 && counts[0] == k.size(2)) {
     Tensor qt = q.reshape({1, n.hkv, g, n.d}).contiguous();
     return at::scaled_dot_product_attention(qt, k, v).view({1, n.hq, 1, n.d});
@@ -321,4 +330,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set", &HeadLayer::set)
       .def("step", &HeadLayer::step)
       .def("logp", &HeadLayer::logp);
+  m.def("attend", &attend::attention, "batch-invariant attention (attend.h)");
+  m.def("attend_supports", [](int64_t d, int64_t group) { return attend::supports(d, group, at::kFloat); });
 }
