@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The 200-prompt equivalence checks behind the README's table: every method against plain
 # greedy decoding (specdraft verify, k = 8 fixed, 64 new tokens per turn), in float32 and in
-# bfloat16 with --batch-invariant. Each run keeps a journal beside its report
+# bfloat16 with --batch-invariant (int4-invariant: int4 with --batch-invariant, on request). Each run keeps a journal beside its report
 # (results/verify/<method>-<mode>.progress.jsonl) and a rerun resumes there, so the whole set
 # (hours on 2 cores) can span sessions: commit the journals as they grow.
 #   METHODS="mtp eagle" MODES=float32 bash scripts/verify_200.sh
@@ -14,7 +14,8 @@ for mode in $MODES; do
   case $mode in
     float32) flags=(--dtype float32) ;;
     bfloat16-invariant) flags=(--dtype bfloat16 --batch-invariant) ;;
-    *) echo "unknown mode $mode (float32, bfloat16-invariant)" >&2; exit 2 ;;
+    int4-invariant) flags=(--dtype int4 --batch-invariant) ;;
+    *) echo "unknown mode $mode (float32, bfloat16-invariant, int4-invariant)" >&2; exit 2 ;;
   esac
   for method in $METHODS; do
     k=8
