@@ -349,6 +349,12 @@ def test_the_cpp_head_step_computes_the_python_layer(tiny: LoadedModel, kind: st
                 seqs.append(seq)
             state, logp = proposer._feed_pending([0, 1, 2], seqs, 27)
             grown = proposer._grow([1, 2], state[1:], logp[1:], 3, 3, torch.tensor([10**6, 10**6]))
+            if fast:  # the C++ loop grows the tree the Python loop grows with the same step, bit for bit
+                for keep, nodes in (([10**6, 10**6], 3 + 9 + 9), ([4, 9], None), ([1, 1], 3)):  # [1, 1]: settled at once
+                    cpp = proposer._grow([1, 2], state[1:], logp[1:], 3, 3, torch.tensor(keep))
+                    py = proposer._grow_python([1, 2], state[1:], logp[1:], 3, 3, torch.tensor(keep))
+                    assert all(torch.equal(a, b) for a, b in zip(cpp, py)), keep
+                    assert nodes is None or cpp[0].shape == (2, nodes)
         runs.append((state, logp, grown, proposer.cache.k[:, :, :14].clone()))
     (s1, l1, g1, k1), (s2, l2, g2, k2) = runs
     tol = 1e-4 if dtype == torch.float32 else 5e-2

@@ -242,7 +242,20 @@ class FeatureHeadProposer:
         """EAGLE-2's expansion. Returns every candidate node's target token, parent (-1: the
         root) and cumulative log-probability: [R, M] each, parents before children. It stops
         early once no row's frontier can place a node among its ``keep`` [R] best (a child
-        never scores above its parent): deeper levels would change no draft."""
+        never scores above its parent): deeper levels would change no draft. With the C++ step
+        and consecutive rows (a view of their cache), the whole loop runs in C++
+        (``HeadLayer::grow``: the same calls, so the same tree)."""
+        first = rows[0]
+        if self.fast is not None and rows == list(range(first, first + len(rows))):
+            base = [self.rows.length[r] for r in rows]
+            k_rows, v_rows = self.cache.k[first : first + len(rows)], self.cache.v[first : first + len(rows)]
+            return self.fast.grow(state, logp, depth, k, keep.tolist(), base, k_rows, v_rows, self.vocab_ids,
+                                  self.embed.weight, self.cos, self.sin)
+        return self._grow_python(rows, state, logp, depth, k, keep)
+
+    def _grow_python(self, rows: list[int], state: Tensor, logp: Tensor, depth: int, k: int, keep: Tensor
+                     ) -> tuple[Tensor, Tensor, Tensor]:
+        """``_grow`` one level at a time from Python (the reference for the C++ loop)."""
         dev = state.device
         r_n = len(rows)
         top = logp.topk(k, dim=-1)  # [R, k]

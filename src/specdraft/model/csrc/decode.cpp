@@ -9,6 +9,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -312,6 +313,71 @@ class HeadLayer {
     return apply(lins_.back(), rms_norm(h, norms_.back(), eps_), false).to(at::kFloat).log_softmax(-1);
   }
 
+  // EAGLE-2's expansion: feature_heads.py's FeatureHeadProposer._grow with this step, the same
+  // calls level by level (so the same tree), without the interpreter between them.
+  // state: [R, H] the anchors' states; anchor_logp: [R, N] their log-probs; keep, base: per row, the
+  // nodes kept and the first scratch slot; kc, vc: the rows' head cache [R, Hkv, S, D];
+  // vocab_ids: [N] draft -> target ids; embed: [V, H]; cos, sin: [P, D] rotary tables.
+  // Returns every candidate's target id, parent (-1: the root) and cumulative log-probability,
+  // [R, M] each on the CPU, parents before children.
+  std::tuple<Tensor, Tensor, Tensor> grow(Tensor state, Tensor anchor_logp, int64_t depth, int64_t k, std::vector<int64_t> keep,
+                                          std::vector<int64_t> base, Tensor kc, Tensor vc, Tensor vocab_ids,
+                                          Tensor embed, Tensor cos, Tensor sin) {
+    const auto longs = at::TensorOptions().dtype(at::kLong).device(state.device());
+    const int64_t r_n = state.size(0), h = state.size(1), group = n_.hq / n_.hkv;
+    const int64_t top_base = *std::max_element(base.begin(), base.end());
+    auto [top_values, top_indices] = anchor_logp.topk(k, -1);  // [R, k]
+    std::vector<Tensor> tokens{top_indices}, parents{at::full({r_n, k}, -1, longs)}, scores{top_values};
+    Tensor front = at::arange(k, longs).expand({r_n, k});  // [R, k] frontier node ids
+    Tensor front_state = state.unsqueeze(1).expand({r_n, k, h});  // [R, k, H] the frontier's parents' states
+    Tensor base_t = at::tensor(base, longs);  // [R]
+    Tensor keep_t = at::tensor(keep, longs);  // [R]
+    Tensor prefix = at::arange(top_base + k * depth, longs).unsqueeze(0) < base_t.unsqueeze(1);  // [R, S]
+    Tensor seen = at::zeros({r_n, k, prefix.size(1)}, longs.dtype(at::kBool));  // [R, k, S] ancestors' slots
+    int64_t count = k;
+    for (int64_t d = 1; d < depth; ++d) {
+      Tensor so_far = at::cat(scores, 1);  // [R, M so far]
+      Tensor front_scores = so_far.gather(1, front);  // [R, k]
+      if (settled(so_far, front_scores, keep_t)) break;
+      Tensor slots = base_t.unsqueeze(1) + (d - 1) * k + at::arange(k, longs);  // [R, k]
+      seen = seen.clone();
+      seen.scatter_(2, slots.unsqueeze(2), true);
+      Tensor ids = at::cat(tokens, 1).gather(1, front);  // [R, k] draft ids of the frontier
+      Tensor positions = (base_t - 1 + d).unsqueeze(1).expand({r_n, k});  // [R, k]
+      Tensor c = cos.index({positions}).unsqueeze(2).to(front_state.scalar_type());  // [R, k, 1, D]
+      Tensor s = sin.index({positions}).unsqueeze(2).to(front_state.scalar_type());
+      Tensor emb = at::embedding(embed, vocab_ids.index({ids}));  // [R, k, H]
+      std::vector<int64_t> starts(r_n);
+      for (int64_t i = 0; i < r_n; ++i) starts[i] = base[i] + (d - 1) * k;
+      const int64_t width = top_base + d * k;
+      Tensor visible = (seen | prefix.unsqueeze(1)).slice(2, 0, width);  // [R, k, S']
+      Tensor mask = visible.repeat({1, group, 1}).unsqueeze(1);  // [R, 1, G*k, S']: stacked-query order
+      Tensor out = step(emb, front_state, c, s, kc, vc, starts, mask);  // [R, k, H]
+      auto [child_values, child_indices] = this->logp(out).topk(k, -1);  // [R, k, k]
+      Tensor cum = front_scores.unsqueeze(2) + child_values;  // [R, k, k]
+      tokens.push_back(child_indices.flatten(1));
+      parents.push_back(front.unsqueeze(2).expand({r_n, k, k}).flatten(1));
+      scores.push_back(cum.flatten(1));
+      Tensor best = std::get<1>(cum.flatten(1).topk(k, -1));  // [R, k] into this depth's k*k children
+      Tensor from = at::floor_divide(best, k).unsqueeze(2);  // [R, k, 1] which frontier node each came from
+      front = best + count;
+      front_state = out.gather(1, from.expand({-1, -1, h}));  // [R, k, H]
+      seen = seen.gather(1, from.expand({-1, -1, seen.size(2)}));
+      count += k * k;
+    }
+    Tensor ids = vocab_ids.index({at::cat(tokens, 1)});  // [R, M] target ids
+    return {ids.cpu(), at::cat(parents, 1).cpu(), at::cat(scores, 1).to(at::kFloat).cpu()};
+  }
+
+  // feature_heads.py's _settled: whether every row's keep best scores so far are at least its
+  // best frontier score. scores: [R, M]; frontier: [R, k]; keep: [R]
+  static bool settled(const Tensor& scores, const Tensor& frontier, const Tensor& keep) {
+    const int64_t m = scores.size(1);
+    Tensor order = std::get<0>(scores.sort(1, true));  // [R, M]
+    Tensor kth = order.gather(1, (keep.clamp(1, m) - 1).unsqueeze(1)).select(1, 0);  // [R]
+    return ((keep <= m) & (std::get<0>(frontier.max(1)) <= kth)).all().item<bool>();
+  }
+
  private:
   Dims n_;
   bool eagle_;
@@ -329,7 +395,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, bool, double>())
       .def("set", &HeadLayer::set)
       .def("step", &HeadLayer::step)
-      .def("logp", &HeadLayer::logp);
+      .def("logp", &HeadLayer::logp)
+      .def("grow", &HeadLayer::grow);
   m.def("attend", &attend::attention, "batch-invariant attention (attend.h)");
   m.def("attend_supports", [](int64_t d, int64_t group) { return attend::supports(d, group, at::kFloat); });
 }
