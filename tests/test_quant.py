@@ -80,6 +80,44 @@ def test_kernel_product_equals_the_dequantized_matrix(rows: int) -> None:
         assert torch.equal(alone, packed.matmul(x))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_tiled_kernel_is_close_and_batch_invariant_by_construction(dtype: torch.dtype) -> None:
+    """csrc/int4mm.h: the product of the 4-bit weights with float16 d and m (a GGUF block's own;
+    to float32 rounding, or the bfloat16 output's), a row's bits
+    the same alone as among 1-20 rows (one pass takes at most 8), NaN rows stay NaN, and
+    torch's kernel on the same weights agrees within bfloat16 rounding."""
+    from specdraft.model import fastpath
+
+    if fastpath.int4_tiles(96, 256) is None:
+        pytest.skip(f"int4mm.h does not run here (int4 path: {fastpath.int4_path()})")
+    gen = torch.Generator().manual_seed(5)
+    w = Int4Weight.quantize(torch.randn(96, 256, generator=gen))
+    tiled = Int4Packed.pack(w, torch.bfloat16)
+    assert tiled.tiled and tiled.packed.shape == (6, 128, 16) and tiled.scales_zeros.shape == (6, 8, 2, 16)
+    x = torch.randn(20, 256, generator=gen).to(dtype)
+    with torch.inference_mode():
+        alone = torch.cat([tiled.matmul(x[i : i + 1]) for i in range(20)])  # [20, 96]
+        for m in (1, 3, 8, 9, 17, 20):
+            assert torch.equal(tiled.matmul(x[:m]), alone[:m]), m
+        assert alone.dtype == dtype
+        d, m = w.scale.double().half().double(), (w.zero.double() - 8 * w.scale.double()).half().double()
+        exact = w.q.double() * d.repeat_interleave(GROUP, 1) + m.repeat_interleave(GROUP, 1)  # fp16 d and m, as GGUF's
+        assert float((exact - w.dequantize().double()).abs().max()) <= 1e-3 * float(exact.abs().max())
+        ref = x.double() @ exact.t()
+        tol = 1e-5 if dtype == torch.float32 else 8e-3  # bfloat16: the output's rounding
+        assert float((alone.double() - ref).abs().max()) <= tol * float(ref.abs().max())
+        nan = x[:2].clone()
+        nan[1, 7] = float("nan")
+        out = tiled.matmul(nan)
+        assert bool(out[1].isnan().all()) and not bool(out[0].isnan().any())
+        if int4_kernel_available():
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32), 2)
+            sz = torch.stack([w.scale.t(), w.zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+            theirs = Int4Packed(packed, sz, 96).matmul(x.bfloat16()).double()
+            assert float((theirs - ref).abs().max()) <= 0.02 * float(ref.abs().max())
+            assert float((alone.double() - theirs).abs().max()) <= 0.02 * float(ref.abs().max())
+
+
 def test_int4_model_follows_the_q4_file(q4_file: Path) -> None:
     """``dtype="int4"`` computes the file's own 4-bit weights: its logits are as close to the
     float32 dequantization of the same file as a bfloat16 model is; a broken block reader

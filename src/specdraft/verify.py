@@ -40,6 +40,7 @@ from specdraft.bench.machine import machine_info
 from specdraft.engine import Engine
 from specdraft.metrics import SpecStats
 from specdraft.model.loader import load
+from specdraft.model import fastpath
 from specdraft.model.transformer import numerics_version
 from specdraft.sequence import GenerationConfig
 from specdraft.workloads import WORKLOADS, Prompt, fit_messages, load_workload, mixed
@@ -230,9 +231,11 @@ def plain_conditions(cfg: VerifyConfig, source: Path, device: str) -> dict[str, 
                   "batch_invariant": cfg.batch_invariant,
                   "threads": torch.get_num_threads(), "torch": torch.__version__,
                   "max_new_tokens": cfg.max_new_tokens}
-    version = numerics_version(cfg.batch_invariant)
+    version = numerics_version(cfg.batch_invariant, int4=cfg.dtype == "int4")
     if version > 1:  # (absent for version 1, so that earlier caches stay valid)
         conditions["numerics"] = version
+    if cfg.dtype == "int4":  # the 4-bit products' instructions (int4mm.h's dot or fma pass, or torch's)
+        conditions["int4_kernel"] = fastpath.int4_path()
     return conditions
 
 

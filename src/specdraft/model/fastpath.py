@@ -65,7 +65,8 @@ def extension() -> Any | None:
         if compiled:
             print("specdraft: building the C++ decode loop (first use only, about 30 s)...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        _state["module"] = load(name=name, sources=[str(SOURCE)], extra_cflags=flags, verbose=False)
+        _state["module"] = load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=_ldflags(),
+                                verbose=False)
         _state.update(seconds=time.perf_counter() - t0, compiled=compiled)
     except Exception as e:  # no compiler, no headers, a torch without the tool chain: run Python
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
@@ -77,10 +78,20 @@ def extension() -> Any | None:
 
 def _cflags() -> list[str]:
     """-march=native on x86-64: attend.h's 16-lane vectors then map to the machine's registers
-    (on the SSE2 baseline its attention is 6x slower). The build is cached per CPU (the digest
-    includes ``_cpu_identity``)."""
+    (on the SSE2 baseline its attention is 6x slower) and int4mm.h has AVX-512 where the CPU
+    does. The build is cached per CPU (the digest includes ``_cpu_identity``). -fopenmp where
+    torch runs on OpenMP: at::parallel_for is inline there, and without it runs on one thread."""
     native = platform.machine().lower() in ("x86_64", "amd64")
-    return ["-O2", "-march=native"] if native else ["-O2"]
+    return (["-O2", "-march=native"] if native else ["-O2"]) + _openmp()
+
+
+def _ldflags() -> list[str]:
+    return _openmp()
+
+
+def _openmp() -> list[str]:
+    """-fopenmp where torch's own thread pool is OpenMP (its libgomp is then the one linked)."""
+    return ["-fopenmp"] if "OpenMP" in torch.__config__.parallel_info() and sys.platform.startswith("linux") else []
 
 
 def _cpu_identity() -> str:
@@ -111,6 +122,21 @@ def attend_applies(head_dim: int, group: int, dtype: torch.dtype, device: torch.
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or extension() is None:
         return False
     return bool(_state["module"].attend_supports(head_dim, group))
+
+
+def int4_tiles(out_features: int, in_features: int) -> Any | None:
+    """The extension where ``csrc/int4mm.h`` multiplies [out, in] 4-bit weights here (the CPU
+    with AVX-512), else None (torch's int4 kernel then)."""
+    ext = extension()
+    return ext if ext is not None and ext.int4_supports(out_features, in_features) else None
+
+
+def int4_path() -> str:
+    """How 4-bit products run here: "dot" or "fma" (``csrc/int4mm.h``'s bfloat16 pass), or
+    "torch" (torch's int4 kernel: no extension, or no AVX-512)."""
+    ext = extension()
+    path = ext.int4_path() if ext is not None else "none"
+    return "torch" if path == "none" else path
 
 
 def status() -> dict[str, Any]:

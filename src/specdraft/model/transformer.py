@@ -25,16 +25,18 @@ from specdraft.model.rope import apply_rope, rope_table
 WIDE_FROM_ROWS = 16  # 4-bit weights: products with this many rows use the dense path (quant.py)
 
 
-def numerics_version(batch_invariant: bool) -> int:
+def numerics_version(batch_invariant: bool, int4: bool = False) -> int:
     """Bumped whenever a change alters the bits a forward computes for the same inputs (part of
     the key of `specdraft verify`'s cache of plain outputs). Batch-invariant 2: prompts attend
     one call per row (`prompt_attention`); 3: one-row products run as two rows (`linear.py`);
     4: a lone decoding token attends without the per-token wrapping (the same kernel call);
     5: attention through ``csrc/attend.h`` where it applies (the CPU with the C++ extension).
-    Otherwise 2: float32 products of 1-3 rows take the packed path too (``linear.py``)."""
+    Otherwise 2: float32 products of 1-3 rows take the packed path too (``linear.py``).
+    int4: 4-bit products through ``csrc/int4mm.h`` (where it runs) add 10 to either."""
+    tiles = 10 if int4 and fastpath.int4_path() != "torch" else 0
     if not batch_invariant:
-        return 2
-    return 5 if fastpath.extension() is not None else 4
+        return 2 + tiles
+    return (5 if fastpath.extension() is not None else 4) + tiles
 
 
 @dataclass(slots=True)
