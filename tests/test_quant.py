@@ -82,14 +82,14 @@ def test_kernel_product_equals_the_dequantized_matrix(rows: int) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_tiled_kernel_is_close_and_batch_invariant_by_construction(dtype: torch.dtype) -> None:
-    """csrc/int4mm.h: the product of the 4-bit weights with float16 d and m (a GGUF block's own;
+    """csrc/quantmm.h: the product of the 4-bit weights with float16 d and m (a GGUF block's own;
     to float32 rounding, or the bfloat16 output's), a row's bits
     the same alone as among 1-20 rows (one pass takes at most 8), NaN rows stay NaN, and
     torch's kernel on the same weights agrees within bfloat16 rounding."""
     from specdraft.model import fastpath
 
-    if fastpath.int4_tiles(96, 256) is None:
-        pytest.skip(f"int4mm.h does not run here (int4 path: {fastpath.int4_path()})")
+    if fastpath.quant_tiles(96, 256) is None:
+        pytest.skip(f"quantmm.h does not run here (path: {fastpath.quant_path()})")
     gen = torch.Generator().manual_seed(5)
     w = Int4Weight.quantize(torch.randn(96, 256, generator=gen))
     tiled = Int4Packed.pack(w, torch.bfloat16)
@@ -116,6 +116,30 @@ def test_tiled_kernel_is_close_and_batch_invariant_by_construction(dtype: torch.
             theirs = Int4Packed(packed, sz, 96).matmul(x.bfloat16()).double()
             assert float((theirs - ref).abs().max()) <= 0.02 * float(ref.abs().max())
             assert float((alone.double() - theirs).abs().max()) <= 0.02 * float(ref.abs().max())
+
+
+def test_a_q8_head_is_multiplied_as_stored(folder: Path) -> None:
+    """In int4 mode a Q8_0 LM head (its own matrix, or the embedding where tied) runs as stored,
+    8 bits with the blocks' own d (csrc/quantmm.h): its logits are the product with the file's
+    dequantized values to the bfloat16 output's rounding."""
+    from specdraft.model import fastpath
+    from specdraft.model.load_gguf import HEAD_Q8
+
+    path = write_gguf_model(folder.parent / "tiny-Q8_0.gguf", folder, qtype="Q8_0")
+    _, weights, _ = load_gguf(path, int4=True)
+    q8 = weights[HEAD_Q8]
+    source = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"  # untied, or tied
+    assert q8.q.dtype == torch.int8 and q8.shape == tuple(weights[source].shape)
+    assert torch.equal(q8.dequantize(), load_gguf(path)[1][source])  # the same values as read
+    if fastpath.quant_tiles(*q8.shape) is None:
+        pytest.skip(f"quantmm.h does not run here (path: {fastpath.quant_path()})")
+    head = load(path, dtype="int4").model.lm_head
+    assert head.int4 is not None and head.int4.bits == 8
+    h = torch.randn(5, q8.shape[1], generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = head(h).double()  # [5, V]
+    ref = h.double() @ q8.dequantize().double().t()
+    assert float((got - ref).abs().max()) <= 8e-3 * float(ref.abs().max())
 
 
 def test_int4_model_follows_the_q4_file(q4_file: Path) -> None:

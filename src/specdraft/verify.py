@@ -234,8 +234,8 @@ def plain_conditions(cfg: VerifyConfig, source: Path, device: str) -> dict[str, 
     version = numerics_version(cfg.batch_invariant, int4=cfg.dtype == "int4")
     if version > 1:  # (absent for version 1, so that earlier caches stay valid)
         conditions["numerics"] = version
-    if cfg.dtype == "int4":  # the 4-bit products' instructions (int4mm.h's dot or fma pass, or torch's)
-        conditions["int4_kernel"] = fastpath.int4_path()
+    if cfg.dtype == "int4":  # the quantized products' instructions (quantmm.h's dot or fma pass, or torch's)
+        conditions["int4_kernel"] = fastpath.quant_path()
     return conditions
 
 

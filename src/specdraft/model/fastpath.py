@@ -78,7 +78,7 @@ def extension() -> Any | None:
 
 def _cflags() -> list[str]:
     """-march=native on x86-64: attend.h's 16-lane vectors then map to the machine's registers
-    (on the SSE2 baseline its attention is 6x slower) and int4mm.h has AVX-512 where the CPU
+    (on the SSE2 baseline its attention is 6x slower) and quantmm.h has AVX-512 where the CPU
     does. The build is cached per CPU (the digest includes ``_cpu_identity``). -fopenmp where
     torch runs on OpenMP: at::parallel_for is inline there, and without it runs on one thread."""
     native = platform.machine().lower() in ("x86_64", "amd64")
@@ -124,18 +124,18 @@ def attend_applies(head_dim: int, group: int, dtype: torch.dtype, device: torch.
     return bool(_state["module"].attend_supports(head_dim, group))
 
 
-def int4_tiles(out_features: int, in_features: int) -> Any | None:
-    """The extension where ``csrc/int4mm.h`` multiplies [out, in] 4-bit weights here (the CPU
-    with AVX-512), else None (torch's int4 kernel then)."""
+def quant_tiles(out_features: int, in_features: int) -> Any | None:
+    """The extension where ``csrc/quantmm.h`` multiplies [out, in] 4- or 8-bit weights here
+    (the CPU with AVX-512), else None (torch's int4 kernel then, and a bfloat16 LM head)."""
     ext = extension()
-    return ext if ext is not None and ext.int4_supports(out_features, in_features) else None
+    return ext if ext is not None and ext.quant_supports(out_features, in_features) else None
 
 
-def int4_path() -> str:
-    """How 4-bit products run here: "dot" or "fma" (``csrc/int4mm.h``'s bfloat16 pass), or
-    "torch" (torch's int4 kernel: no extension, or no AVX-512)."""
+def quant_path() -> str:
+    """How quantized products run here: "dot" or "fma" (``csrc/quantmm.h``'s bfloat16 pass),
+    or "torch" (torch's int4 kernel: no extension, or no AVX-512)."""
     ext = extension()
-    path = ext.int4_path() if ext is not None else "none"
+    path = ext.quant_path() if ext is not None else "none"
     return "torch" if path == "none" else path
 
 

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from specdraft.errors import ModelFileError, UnsupportedModelError
 from specdraft.model.config import ModelConfig, RopeScaling
-from specdraft.model.quant import INT4_FORMATS, Int4Weight
+from specdraft.model.quant import INT4_FORMATS, Int4Weight, Q8Weight
 
 # GGUF architecture name -> our architecture name. llama.cpp writes Mistral models as "llama".
 _ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
@@ -143,14 +143,22 @@ def _read(t: Any, int4: bool) -> Tensor | Int4Weight:
     return _dequantize(t)
 
 
-def load_gguf(path: Path, int4: bool = False) -> tuple[ModelConfig, dict[str, Tensor | Int4Weight], Any]:
+HEAD_Q8 = "lm_head.q8"  # int4 mode: the LM head's Q8_0 blocks as stored (beside its dequantized copy)
+
+
+def load_gguf(path: Path, int4: bool = False) -> tuple[ModelConfig, dict[str, Tensor | Int4Weight | Q8Weight], Any]:
     """Read config and dequantized float32 weights (HF names); with ``int4`` the Q4_0 / Q4_1
-    matrices stay 4-bit (``Int4Weight``). Returns the reader too, for the tokenizer."""
+    matrices stay 4-bit (``Int4Weight``) and a Q8_0 LM head (the token embedding where they are
+    tied) is also kept as stored, under ``HEAD_Q8``. Returns the reader too, for the tokenizer."""
     reader = open_gguf(path)
     config = read_config(reader, path)
-    weights: dict[str, Tensor | Int4Weight] = {}
+    weights: dict[str, Tensor | Int4Weight | Q8Weight] = {}
+    names = {_hf_name(t.name) for t in reader.tensors}
+    head = "lm_head.weight" if "lm_head.weight" in names else "model.embed_tokens.weight"
     for t in reader.tensors:
         name = _hf_name(t.name)
+        if int4 and name == head and t.tensor_type.name == "Q8_0" and len(t.shape) == 2:
+            weights[HEAD_Q8] = Q8Weight.from_gguf_blocks(t.data, (int(t.shape[1]), int(t.shape[0])))
         if t.name == "rope_freqs.weight":  # llama3-style scaling, stored as per-frequency divisors
             factors = tuple(float(x) for x in _dequantize(t).flatten())
             config = dataclasses.replace(config, rope_freq_factors=factors)

@@ -12,7 +12,8 @@ from torch import Tensor
 
 from specdraft.errors import ModelFileError, SpecdraftError
 from specdraft.model.config import ModelConfig
-from specdraft.model.quant import Int4Packed, Int4Weight, int4_kernel_available, rows_invariant
+from specdraft.model.load_gguf import HEAD_Q8
+from specdraft.model.quant import Int4Packed, Int4Weight, Q8Weight, int4_kernel_available, rows_invariant
 from specdraft.model.transformer import Transformer
 
 if TYPE_CHECKING:
@@ -144,7 +145,8 @@ def build_transformer(
     layer matrices run at 4 bits (``Int4Weight`` values as given, float ones quantized)."""
     with torch.device("meta"):
         model = Transformer(config, batch_invariant=batch_invariant)
-    state = fused_state_dict(config, weights)
+    head_q8 = weights.get(HEAD_Q8)
+    state = fused_state_dict(config, {name: w for name, w in weights.items() if name != HEAD_Q8})
     # int4: every layer matrix (quantized if stored otherwise) and any matrix stored 4-bit
     quantized = {name: w if isinstance(w, Int4Weight) else Int4Weight.quantize(w)
                  for name, w in state.items()
@@ -162,6 +164,8 @@ def build_transformer(
             linear = modules[name.removesuffix(".weight")]
             linear.int4 = Int4Packed.pack(w, dtype)
             linear.int4_rows_alone = batch_invariant and not rows_invariant(linear.int4)
+    if int4 and isinstance(head_q8, Q8Weight) and torch.device(device).type == "cpu" and model.lm_head.int4 is None:
+        model.lm_head.int4 = Int4Packed.pack8(head_q8)  # the file's 8-bit head (None: its bfloat16 copy)
     if pack_weights:
         model.pack_weights()
     return model

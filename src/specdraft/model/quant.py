@@ -1,28 +1,30 @@
-"""4-bit weights kept at 4 bits: GGUF Q4_0 / Q4_1 blocks read as they are, multiplied by
-``csrc/int4mm.h`` or PyTorch's CPU weight-only int4 kernel (``aten._weight_int4pack_mm_for_cpu``).
+"""Quantized weights kept as stored: GGUF Q4_0 / Q4_1 layer matrices at 4 bits and (where
+``csrc/quantmm.h`` runs) a Q8_0 LM head at 8 bits, multiplied by ``csrc/quantmm.h`` or, for
+4 bits, PyTorch's CPU weight-only int4 kernel (``aten._weight_int4pack_mm_for_cpu``).
 
-A weight is ``w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g]`` with ``q`` in 0..15 and
-one (scale, zero) pair per group of ``GROUP`` (32) inputs, ``g = k // GROUP``: exactly the
+A 4-bit weight is ``w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g]`` with ``q`` in 0..15
+and one (scale, zero) pair per group of ``GROUP`` (32) inputs, ``g = k // GROUP``: torch's
 kernel's layout. Q4_0 blocks (``d * (q - 8)``) map to ``scale = d, zero = 0``; Q4_1 blocks
-(``d * q + m``) to ``scale = d, zero = m + 8 d``. The kernel takes its scales in the
-activation dtype (bfloat16 here), so a Q4_1 weight is the file's up to that rounding of d and
-m + 8d (not of every weight, as a bfloat16 dequantization is).
+(``d * q + m``) to ``scale = d, zero = m + 8 d``. An 8-bit one (``Q8Weight``) is ``q[n, k] *
+d[n, g]``, ``q`` in -128..127.
+
+Where the C++ extension runs with AVX-512, the products go through ``csrc/quantmm.h``: tiles
+of 16 outputs with the blocks' own float16 d (and m), so a weight is the file's exactly;
+batch-invariant by construction; bfloat16 rows in AVX-512 BF16 dot products. Measured on a
+2-core AMD EPYC (Zen 5), the default model's 30 layers' 4-bit products take 4.0 ms at one row
+(torch's kernel the same: both stream the weights from DRAM at ~16 GB/s) and 8.1 ms at eight
+(torch's 12.4). The LM head (Q8_0 in the file) then streams 30 MB a step instead of the 57 MB
+of its bfloat16 copy. ``fastpath.quant_path`` says which kernel runs.
+
+Elsewhere torch's int4 kernel takes the scales in the activation dtype (bfloat16 here), so a
+Q4_1 weight is the file's up to that rounding of d and m + 8d (not of every weight, as a
+bfloat16 dequantization is), and the LM head stays a bfloat16 copy. Its result for a row does
+not depend on how many rows share the call (checked for 1-200 rows, and measured once per
+process: ``rows_invariant``).
 
 Float weights (a Hugging Face folder, or a GGUF tensor in another format) can be quantized
-to the same layout with ``Int4Weight.quantize`` (affine min/max per group): that one is lossy
+to the 4-bit layout with ``Int4Weight.quantize`` (affine min/max per group): that one is lossy
 against the float model and is said so where it is offered.
-
-Where the C++ extension runs with AVX-512, the products go through ``csrc/int4mm.h`` instead
-(tiles of 16 outputs, float32 scales and zeros, so a Q4_1 weight is the file's up to float32
-rounding; batch-invariant by construction; bfloat16 rows in AVX-512 BF16 dot products): on the
-same machine one layer's four products take 0.10 ms at one row (torch's kernel 0.13) and 0.19
-ms at eight (0.38). ``fastpath.int4_path`` says which runs.
-
-Torch's kernel, measured on a 2-core AMD EPYC (Zen 5), the default model's 120 layer products per token:
-4.4 ms at one token against 14 ms for oneDNN's packed bfloat16 (the products stream 4x fewer
-bytes), but 12.6 ms at 8 tokens and 46 ms at 32 (bfloat16 packed: 16 and 19 ms): the kernel is
-a matrix-vector one. Its result for a row does not depend on how many rows share the call
-(checked for 1-200 rows), so a batch-invariant model can use it for every row count.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from torch import Tensor
 GROUP = 32  # inputs per (scale, zero) pair: GGUF's block size
 _Q4_0_BYTES = 18  # fp16 d, 16 bytes of nibbles
 _Q4_1_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
+_Q8_0_BYTES = 34  # fp16 d, 32 int8 values
 INT4_FORMATS = ("Q4_0", "Q4_1")  # GGUF tensor types read without dequantizing
 _INT4_MM = getattr(getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None), "default", None)
 
@@ -107,26 +110,64 @@ class Int4Weight:
 
 
 @dataclass(frozen=True, slots=True)
-class Int4Packed:
-    """An Int4Weight packed for a CPU kernel: ``csrc/int4mm.h``'s tiles where it runs (float32
-    scales and zeros), else torch's kernel (scales in the activation dtype)."""
+class Q8Weight:
+    """An 8-bit matrix (GGUF Q8_0): ``w[n, k] = q[n, k] * d[n, k // GROUP]``."""
 
-    packed: Tensor  # tiled: [N / 16, K / 2, 16] uint8; else torch's kernel's own layout (uint8)
-    scales_zeros: Tensor  # tiled: [N / 16, K / GROUP, 2, 16] float32; else [K / GROUP, N, 2] in the activation dtype
+    q: Tensor  # [N, K] int8
+    d: Tensor  # [N, K / GROUP] float32 (the blocks' float16 values)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.q.shape[0]), int(self.q.shape[1]))
+
+    def dequantize(self) -> Tensor:
+        """[N, K] float32."""
+        return self.q.float() * self.d.repeat_interleave(GROUP, dim=1)
+
+    @classmethod
+    def from_gguf_blocks(cls, data: np.ndarray, shape: tuple[int, int]) -> "Q8Weight":
+        """Q8_0 block bytes ([N, K / 32 * 34] uint8) -> a Q8Weight [N, K]."""
+        n, k = shape
+        blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(n, k // GROUP, _Q8_0_BYTES)  # [N, G, 34]
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, G]
+        q = blocks[..., 2:].copy().view(np.int8).reshape(n, k)  # [N, K]
+        return cls(torch.from_numpy(q), torch.from_numpy(d))
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Packed:
+    """Quantized weights packed for a CPU kernel: ``csrc/quantmm.h``'s tiles where it runs (4 or
+    8 bits, float16 parameters), else (4 bits only) torch's kernel (scales in the activation dtype)."""
+
+    packed: Tensor  # tiled: [N / 16, K / 2, 16] uint8 (8 bits: [N / 16, K / 2, 2, 16] int8); else torch's layout (uint8)
+    scales_zeros: Tensor  # tiled: [N / 16, K / GROUP, P, 16] float16 (P = 2: d, m; 8 bits: 1, d); else [K / GROUP, N, 2]
     out_features: int
     tiled: bool = False
+    bits: int = 4
 
     @classmethod
     def pack(cls, w: Int4Weight, dtype: torch.dtype) -> "Int4Packed":
         from specdraft.model import fastpath  # here: fastpath imports this module through linear.py
 
-        ext = fastpath.int4_tiles(*w.shape)
+        ext = fastpath.quant_tiles(*w.shape)
         if ext is not None:
-            tiles, pairs = ext.int4_pack(w.q, w.scale, w.zero)
-            return cls(tiles, pairs, w.shape[0], tiled=True)
+            tiles, params = ext.quant_pack4(w.q, w.scale, w.zero)
+            return cls(tiles, params, w.shape[0], tiled=True)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32), 2)
         sz = torch.stack([w.scale.t(), w.zero.t()], dim=-1).to(dtype).contiguous()  # [G, N, 2]
         return cls(packed, sz, w.shape[0])
+
+    @classmethod
+    def pack8(cls, w: Q8Weight) -> "Int4Packed | None":
+        """The 8-bit tiles of ``w``, or None where ``csrc/quantmm.h`` does not run (torch has no
+        such kernel: the caller keeps its dense copy)."""
+        from specdraft.model import fastpath
+
+        ext = fastpath.quant_tiles(*w.shape)
+        if ext is None:
+            return None
+        tiles, params = ext.quant_pack8(w.q, w.d)
+        return cls(tiles, params, w.shape[0], tiled=True, bits=8)
 
     def matmul(self, x: Tensor, rows_alone: bool = False) -> Tensor:
         """x: [..., K] in the scales' dtype -> [..., N]. rows_alone: one kernel call per row (for
@@ -142,7 +183,7 @@ class Int4Packed:
         if self.tiled:
             from specdraft.model import fastpath
 
-            return fastpath.extension().int4_mm(flat, self.packed, self.scales_zeros)
+            return fastpath.extension().quant_mm(flat, self.packed, self.scales_zeros)
         return _INT4_MM(flat, self.packed, GROUP, self.scales_zeros)
 
     @property

@@ -32,8 +32,9 @@ def numerics_version(batch_invariant: bool, int4: bool = False) -> int:
     4: a lone decoding token attends without the per-token wrapping (the same kernel call);
     5: attention through ``csrc/attend.h`` where it applies (the CPU with the C++ extension).
     Otherwise 2: float32 products of 1-3 rows take the packed path too (``linear.py``).
-    int4: 4-bit products through ``csrc/int4mm.h`` (where it runs) add 10 to either."""
-    tiles = 10 if int4 and fastpath.int4_path() != "torch" else 0
+    int4: 4-bit products (and the 8-bit LM head) through ``csrc/quantmm.h`` (where it runs) add
+    10 to either."""
+    tiles = 10 if int4 and fastpath.quant_path() != "torch" else 0
     if not batch_invariant:
         return 2 + tiles
     return (5 if fastpath.extension() is not None else 4) + tiles

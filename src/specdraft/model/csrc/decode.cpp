@@ -6,7 +6,7 @@
 #include <torch/extension.h>
 
 #include "attend.h"
-#include "int4mm.h"
+#include "quantmm.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -22,8 +22,8 @@ namespace {
 
 // One linear layer as linear.py's Linear.forward computes it (int4, oneDNN packed, or plain).
 struct Linear {
-  Tensor int4, int4_sz;     // 4-bit weights: torch's pack and its [K/32, N, 2] scales, or int4mm.h's tiles and
-                            // their [N/16, K/32, 2, 16] pairs (undefined: none)
+  Tensor int4, int4_sz;     // 4-bit weights: torch's pack and its [K/32, N, 2] scales, or quantmm.h's tiles and
+                            // their [N/16, K/32, P, 16] parameters (undefined: none)
   Tensor packed;            // oneDNN-packed weight (undefined: none)
   Tensor weight, bias;      // plain weight; bias may be undefined
   int64_t out_features;
@@ -44,7 +44,7 @@ Tensor apply(const Linear& l, const Tensor& x, bool wide) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = l.out_features;
   if (l.int4.defined() && !wide) {
-    Tensor out = l.int4_sz.dim() == 4 ? int4mm::matmul(x.reshape({-1, in}), l.int4, l.int4_sz).view(shape)  // tiles
+    Tensor out = l.int4_sz.dim() == 4 ? quantmm::matmul(x.reshape({-1, in}), l.int4, l.int4_sz).view(shape)  // tiles
                                       : at::_weight_int4pack_mm_for_cpu(x.reshape({-1, in}), l.int4, 32, l.int4_sz).view(shape);
     return l.bias.defined() ? out + l.bias : out;
   }
@@ -402,8 +402,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("grow", &HeadLayer::grow);
   m.def("attend", &attend::attention, "batch-invariant attention (attend.h)");
   m.def("attend_supports", [](int64_t d, int64_t group) { return attend::supports(d, group, at::kFloat); });
-  m.def("int4_supports", &int4mm::supports, "whether int4mm.h runs (N, K) products here");
-  m.def("int4_path", &int4mm::path, "the pass bfloat16 rows take (int4mm.h)");
-  m.def("int4_pack", &int4mm::pack, "q [N, K], scale, zero [N, K/32] -> (tiles, pairs) (int4mm.h)");
-  m.def("int4_mm", &int4mm::matmul, "x [M, K] times tiled 4-bit weights -> [M, N] (int4mm.h)");
+  m.def("quant_supports", &quantmm::supports, "whether quantmm.h runs (N, K) products here");
+  m.def("quant_path", &quantmm::path, "the pass bfloat16 rows take (quantmm.h)");
+  m.def("quant_pack4", &quantmm::pack4, "q [N, K], scale, zero [N, K/32] -> (tiles, params) (quantmm.h)");
+  m.def("quant_pack8", &quantmm::pack8, "q [N, K] int8, d [N, K/32] -> (tiles, params) (quantmm.h)");
+  m.def("quant_mm", &quantmm::matmul, "x [M, K] times tiled 4- or 8-bit weights -> [M, N] (quantmm.h)");
 }
