@@ -105,7 +105,8 @@ def chat_prompts(tokenizer: Any, n: int) -> list[list[int]]:
 
 
 def weight_bytes(model: torch.nn.Module) -> dict[str, float]:
-    """MB of parameters, oneDNN packed copies and 4-bit packs held by the model."""
+    """MB of parameters, oneDNN packed copies and quantized packs (4-bit layers, an 8-bit LM
+    head) held by the model."""
     from specdraft.model.linear import Linear
 
     params = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())

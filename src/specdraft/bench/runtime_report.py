@@ -100,7 +100,7 @@ def memory_table(results: dict[str, Any]) -> str:
              m.get("rss_after_load_mb") or "-", m.get("peak_rss_at_load_mb", "-"), m.get("peak_rss_mb", "-"),
              m.get("load_s", "-")]
             for m in results["modes"] if "parameters_mb" in m]
-    return format_table(["mode", "parameters MB", "oneDNN packed copies MB", "4-bit packs MB", "RSS after load MB",
+    return format_table(["mode", "parameters MB", "oneDNN packed copies MB", "quantized packs MB", "RSS after load MB",
                          "peak RSS while loading MB", "peak RSS MB (run end)", "load s"], rows)
 
 
