@@ -36,6 +36,7 @@ typedef uint32_t u32x16 __attribute__((vector_size(64)));
 constexpr int kLanes = 16;
 constexpr int kMaxChunks = 16;  // head dim <= 256
 constexpr int kMaxGroup = 16;   // query heads per key/value head
+constexpr int64_t kTasksPerThread = 4;  // at::parallel_for's grain
 
 inline f16v load(const float* p) {
   f16v r;
@@ -149,7 +150,8 @@ void run(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, const s
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, q.size(0) * hkv, 1, [&](int64_t lo, int64_t hi) {
+  // a few tasks (one decoding row) stay on the calling thread: waking another costs what they do
+  at::parallel_for(0, q.size(0) * hkv, kTasksPerThread, [&](int64_t lo, int64_t hi) {
     std::vector<float> scores;
     for (int64_t w = lo; w < hi; ++w) {
       const int64_t j = w / hkv, h = w % hkv;
