@@ -24,8 +24,8 @@ from specdraft.sequence import GenerationConfig
 
 # operator name fragments -> category (first match wins; checked in this order)
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("matrix products", ("linear", "addmm", "mm", "matmul", "bmm", "mkldnn", "onednn", "weight_int")),
-    ("attention", ("scaled_dot_product", "flash_attention", "softmax", "_efficient_attention")),
+    ("matrix products", ("linear", "addmm", "mm", "matmul", "bmm", "mkldnn", "onednn", "weight_int", "quant_mm")),
+    ("attention", ("scaled_dot_product", "flash_attention", "softmax", "_efficient_attention", "attend")),
     ("norms and activations", ("rms_norm", "silu", "gelu", "norm", "rsqrt", "pow", "mean")),
     ("cache writes and gathers", ("index_put", "index", "gather", "scatter", "embedding")),
     ("sampling", ("argmax", "multinomial", "topk", "sort", "cumsum")),

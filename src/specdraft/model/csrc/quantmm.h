@@ -31,6 +31,7 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -293,6 +294,7 @@ void run(const Tensor& x, const Tensor& tiles, const Tensor& params, Tensor& out
 
 // x [M, K] (float32 or bfloat16) times the tiled weight (pack4 or pack8) -> [M, N] in x's dtype
 inline Tensor matmul(const Tensor& x, const Tensor& tiles, const Tensor& params) {
+  RECORD_FUNCTION("specdraft::quant_mm", std::vector<c10::IValue>());  // named in torch's profiler
   const int64_t k = x.size(1), n = tiles.size(0) * kTile;
   const bool eight = params.size(2) == 1;  // pack8's parameters: d alone
   TORCH_CHECK(supports(n, k) && tiles.size(1) * 2 == k, "quantmm: unsupported shape");
