@@ -712,3 +712,14 @@ def test_the_replay_script_prints_ceilings_from_the_committed_plain_outputs():
     pairs = [(r["prompt"], r["output"][:40]) for r in stored]
     assert cells[1] == f"{copy_ceiling_tau(pairs, 8):.2f}" and cells[3] == f"{lookup_ceiling_tau(pairs, 8):.2f}"
     assert float(cells[3]) <= float(cells[1]) and float(cells[4].rstrip("x")) <= float(cells[2].rstrip("x"))
+
+
+def test_profile_categories_name_the_projects_own_kernels() -> None:
+    """bench-runtime's profile puts csrc's kernels (recorded under specdraft::) with the ATen
+    operators they stand for, not in the time outside operators."""
+    from specdraft.bench.profile import category
+
+    assert category("specdraft::quant_mm") == category("aten::_weight_int4pack_mm_for_cpu") == "matrix products"
+    assert category("specdraft::attend") == category("aten::scaled_dot_product_attention") == "attention"
+    assert category("aten::rms_norm") == "norms and activations"
+    assert category("aten::something_else") == "other operators"
