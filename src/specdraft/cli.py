@@ -20,10 +20,11 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="numeric mode; float32 (default) is exact enough for byte-identical "
                         "speculative output; bfloat16 is faster on CPUs with native bf16 and exact "
                         "with --batch-invariant; int4 keeps a GGUF's Q4_0/Q4_1 layer matrices at 4 "
-                        "bits (CPU kernel, bfloat16 activations; about 2x bfloat16 at batch 1, "
-                        "exact with --batch-invariant) and quantizes other formats' layer "
-                        "matrices to 4 bits (lossy against the file); embeddings and LM head stay "
-                        "dequantized in bfloat16")
+                        "bits and a Q8_0 LM head at 8 bits (CPU kernels, bfloat16 activations; about "
+                        "2x bfloat16 at batch 1, exact with --batch-invariant; without AVX-512 "
+                        "torch's int4 kernel and a bfloat16 LM head) and quantizes other formats' "
+                        "layer matrices to 4 bits (lossy against the file); the embedding and an LM "
+                        "head in another format are dequantized to bfloat16")
     g.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
     g.add_argument("--batch-invariant", action="store_true",
                    help="compute each token exactly as a one-token step would (attention per "
