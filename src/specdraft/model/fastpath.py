@@ -65,7 +65,7 @@ def extension() -> Any | None:
         if compiled:
             print("specdraft: building the C++ decode loop (first use only, about 30 s)...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        _state["module"] = load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=_ldflags(),
+        _state["module"] = load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=_openmp(),
                                 verbose=False)
         _state.update(seconds=time.perf_counter() - t0, compiled=compiled)
     except Exception as e:  # no compiler, no headers, a torch without the tool chain: run Python
@@ -83,10 +83,6 @@ def _cflags() -> list[str]:
     torch runs on OpenMP: at::parallel_for is inline there, and without it runs on one thread."""
     native = platform.machine().lower() in ("x86_64", "amd64")
     return (["-O2", "-march=native"] if native else ["-O2"]) + _openmp()
-
-
-def _ldflags() -> list[str]:
-    return _openmp()
 
 
 def _openmp() -> list[str]:
