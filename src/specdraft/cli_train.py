@@ -104,6 +104,8 @@ def add_train_commands(sub: argparse._SubParsersAction, add_model_options) -> No
     a.add_argument("--data", required=True, metavar="DIR", help="a folder written by `specdraft train data`")
     a.add_argument("--out", required=True, metavar="DIR", help="output folder (checkpoint, then config.json + model.safetensors)")
     a.add_argument("--exit-layer", type=int, default=4, help="L, the target layers that draft (default: 4)")
+    a.add_argument("--draft-vocab", type=int, default=4096,
+                   help="the most frequent answer tokens it drafts, chosen after training (default: 4096)")
     a.add_argument("--epochs", type=int, default=1, help="passes over the train split (default: 1)")
     a.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate (default: 0.001)")
     a.add_argument("--limit", type=int, default=None, help="train answers used (default: all)")
@@ -248,7 +250,8 @@ def cmd_train_adapter(args: argparse.Namespace) -> int:
     from specdraft.train.adapter import AdapterTrainConfig, train_adapter
 
     cfg = AdapterTrainConfig(exit_layer=args.exit_layer, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
-                             seed=args.seed, limit=args.limit, sources=_sources(args), time_budget_s=args.time_budget)
+                             seed=args.seed, limit=args.limit, sources=_sources(args), time_budget_s=args.time_budget,
+                             draft_vocab=args.draft_vocab)
     loaded = _teacher(args)
     if not 1 <= cfg.exit_layer < loaded.config.num_layers:
         raise SpecdraftError(f"--exit-layer must be in 1..{loaded.config.num_layers - 1}, got {cfg.exit_layer}")

@@ -11,6 +11,11 @@ shallow sub-network and the LM head: one attention layer and two norms,
 where h is the target's layer-L state (tap L) of each position. The adapter owns only its
 attention's keys/values; the LM head is the target's. With ``o_proj`` = 0 and ``norm`` = the
 target's final norm it is exactly the untrained early exit, where training starts.
+
+An adapter may carry a reduced draft vocabulary (``d2t`` / ``t2d`` in its file, EAGLE-3's
+names; chosen after training from the target's answers): drafting then reads only those rows of
+the target's LM head (:class:`specdraft.heads.vocab.ReducedHead`), the larger part of a draft
+token's cost at the full vocabulary.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from torch import Tensor, nn
 
 from specdraft.errors import ModelFileError, SpecdraftError
 from specdraft.heads.feature_head import Attend, AttentionProjections
+from specdraft.heads.vocab import DraftVocab
 from specdraft.model.config import ModelConfig
 from specdraft.model.rope import apply_rope
 from specdraft.model.transformer import RMSNorm
@@ -59,9 +65,10 @@ class AdapterConfig:
 
 
 class ExitAdapter(nn.Module):
-    def __init__(self, config: AdapterConfig) -> None:
+    def __init__(self, config: AdapterConfig, vocab: DraftVocab | None = None) -> None:
         super().__init__()
         self.config = config
+        self.vocab = vocab  # the tokens it drafts (None: the whole vocabulary)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = AttentionProjections(config, config.hidden_size)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -97,10 +104,13 @@ def save_adapter(adapter: ExitAdapter, folder: str | Path, name: str, extra: dic
     folder.mkdir(parents=True, exist_ok=True)
     c = adapter.config
     tensors = {k: (v.to(dtype) if dtype is not None else v).detach().contiguous() for k, v in adapter.state_dict().items()}
+    if adapter.vocab is not None:
+        tensors |= {"d2t": adapter.vocab.d2t, "t2d": adapter.vocab.t2d}
     save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
     config = {"architectures": ["specdraft-exit-adapter"], "exit_layer": c.exit_layer, "hidden_size": c.hidden_size,
               "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
               "rms_norm_eps": c.rms_norm_eps, "vocab_size": c.target_vocab, "num_hidden_layers": c.target_layers,
+              **({"draft_vocab_size": adapter.vocab.size} if adapter.vocab is not None else {}),
               "specdraft": {"target": name, **(extra or {})}}
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return folder
@@ -129,7 +139,15 @@ def load_adapter(folder: str | Path, target: ModelConfig) -> ExitAdapter:
             f"layer-skip: the adapter in {folder} was trained for a target with hidden size {shape[0]}, {shape[1]} "
             f"tokens and {shape[2]} layers ({raw.get('specdraft', {}).get('target', '?')}); this model has "
             f"{target.hidden_size}, {target.vocab_size} and {target.num_layers}")
-    adapter = ExitAdapter(AdapterConfig.for_target(target, exit_layer))
+    try:
+        maps = (tensors.pop("d2t"), tensors.pop("t2d")) if "d2t" in tensors or "t2d" in tensors else None
+        vocab = DraftVocab.from_maps(*maps) if maps is not None else None
+    except (KeyError, SpecdraftError) as e:
+        raise ModelFileError(f"layer-skip: {folder} has a broken draft vocabulary ({e})") from None
+    if vocab is not None and vocab.target_size != target.vocab_size:
+        raise ModelFileError(f"layer-skip: the draft vocabulary in {folder} maps {vocab.target_size} tokens; "
+                             f"this model has {target.vocab_size}")
+    adapter = ExitAdapter(AdapterConfig.for_target(target, exit_layer), vocab)
     try:
         adapter.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
     except RuntimeError as e:

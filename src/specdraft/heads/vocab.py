@@ -63,3 +63,23 @@ class DraftVocab:
         table = torch.full((self.target_size,), -1, dtype=torch.int64)
         table[self.target_ids] = torch.arange(self.size)
         return table.to(target_ids.device)[target_ids]
+
+
+class ReducedHead:
+    """The target's own LM head restricted to a draft vocabulary, for drafters that reuse it
+    (the layer-skip adapter): a product with N rows instead of V, scattered back to target ids."""
+
+    def __init__(self, weight: Tensor, vocab: DraftVocab) -> None:
+        if weight.shape[0] != vocab.target_size:
+            raise SpecdraftError(f"a draft vocabulary over {vocab.target_size} tokens does not fit an LM head "
+                                 f"with {weight.shape[0]}")
+        self.ids = vocab.target_ids.to(weight.device)  # [N] target ids
+        self.weight = weight.detach()[self.ids].contiguous()  # [N, H]
+        self.size = vocab.target_size
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """x [..., H] -> float32 logits [..., V], -inf outside the draft vocabulary."""
+        small = torch.nn.functional.linear(x.to(self.weight.dtype), self.weight).float()  # [..., N]
+        out = small.new_full((*small.shape[:-1], self.size), float("-inf"))  # [..., V]
+        out[..., self.ids] = small
+        return out

@@ -15,7 +15,8 @@ With a trained adapter (Kangaroo, :mod:`specdraft.heads.adapter`) the early exit
 L's state through one attention layer and a norm of its own before the target's LM head. The
 adapter keeps its own keys/values per row: exact entries from the target's layer-L features
 at committed positions (asked for as a tap and fed at the next proposal, as the feature heads
-do), scratch entries for the drafted positions. An adapter sets L (its exit layer).
+do), scratch entries for the drafted positions. An adapter sets L (its exit layer). Where it
+carries a reduced draft vocabulary, drafts read only those rows of the target's LM head.
 
 The default L comes from a measurement on SmolLM2-135M (30 layers): see
 ``results/layer-skip`` and ``docs/methods/layer-skip.md``.
@@ -36,6 +37,7 @@ from specdraft.model.kv_cache import KVCache
 from specdraft.model.transformer import Transformer
 from specdraft.heads.adapter import ExitAdapter, load_adapter
 from specdraft.heads.shipped import shipped_heads
+from specdraft.heads.vocab import ReducedHead
 from specdraft.proposers.autoregressive import Drafter, StepDrafter, draft_chains
 from specdraft.proposers.base import NO_FEATURES, FeatureRequest, Features, ProposerContext, Verified
 from specdraft.proposers.head_state import HeadCache, PendingTaps
@@ -52,12 +54,14 @@ class LayerSkipConfig:
     branches: candidates at the first draft position (1 = a chain; b > 1 = a tree whose first
     candidate continues as the chain). adapter: a trained early-exit adapter (``specdraft train
     layer-skip``; empty: the one shipped for the model if any; ``none``: the untrained exit); it
-    sets ``layers`` to its exit layer."""
+    sets ``layers`` to its exit layer. full_vocab: draft over the whole vocabulary even where the
+    adapter has a reduced draft vocabulary (slower drafts; for comparison)."""
 
     layers: int = DEFAULT_LAYERS
     branches: int = 1
     last: int = 0
     adapter: str = ""  # a trained adapter folder; "" = the one shipped for the model, if any; "none" = untrained
+    full_vocab: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.layers, int) or self.layers < 1:
@@ -72,7 +76,7 @@ class LayerSkipProposer:
     name = "layer-skip"
 
     def __init__(self, target: Transformer, layers: int, branches: int = 1, last: int = 0,
-                 adapter: ExitAdapter | None = None) -> None:
+                 adapter: ExitAdapter | None = None, full_vocab: bool = False) -> None:
         total = target.config.num_layers
         if adapter is not None and (last or adapter.config.exit_layer != layers):
             raise SpecdraftError(f"layer-skip: the adapter exits after layer {adapter.config.exit_layer}; "
@@ -87,6 +91,8 @@ class LayerSkipProposer:
         self.branches = branches
         self.layer_ids = (*range(layers), *range(total - last, total))  # the layers that draft
         self.adapter = None if adapter is None else adapter.to(device=target.device, dtype=target.dtype).eval()
+        vocab = None if adapter is None or full_vocab else adapter.vocab
+        self.head = None if vocab is None else ReducedHead(target.lm_head.weight, vocab)  # (None: the full LM head)
         self.features = NO_FEATURES if adapter is None else FeatureRequest(taps=(layers,), prompt=True)
         self.rows = PendingTaps((layers,))
         c = target.config
@@ -196,6 +202,8 @@ class _AdaptedDrafter:
         h = _adapter_step(o.adapter, o.target, o.cache, list(range(len(tokens))), out.hidden[o.layers], positions,
                           slots, visible)  # [B, 1, H]
         self.steps += 1
+        if o.head is not None:
+            return o.head(o.adapter.norm(h[:, -1]))  # [B, V], -inf outside the draft vocabulary
         return o.adapter.logits(h[:, -1], o.target.lm_head)  # [B, V]
 
 
@@ -211,4 +219,4 @@ def make_layer_skip_proposer(config: LayerSkipConfig, context: ProposerContext |
         shipped = load_adapter(path, context.target.config) if path else None
         if shipped is not None and layers in (DEFAULT_LAYERS, shipped.config.exit_layer):
             adapter, layers = shipped, shipped.config.exit_layer
-    return LayerSkipProposer(context.target, layers, config.branches, config.last, adapter)
+    return LayerSkipProposer(context.target, layers, config.branches, config.last, adapter, config.full_vocab)

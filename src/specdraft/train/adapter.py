@@ -7,7 +7,11 @@ target's own LM head, learns the target's distribution at the same position. No
 training-time test is needed: when drafting, the early layers run on the drafted tokens, so a
 drafted position's input is exactly what training sees whenever the draft so far is right.
 
-Held-out measure (the validation split's greedy answers): how often the adapter's top token is
+The adapter learns over the whole vocabulary (the target's head); its draft vocabulary, the
+``draft_vocab`` most frequent tokens of the train answers, is chosen at the end and saved with it:
+drafting then reads only those rows of the head.
+
+Held-out measure (the validation split's greedy answers, over the draft vocabulary): how often the adapter's top token is
 the target's greedy token (the acceptance of each draft position given the earlier ones were
 right), and the greedy chain's tau up to ``eval_steps`` tokens.
 """
@@ -28,8 +32,8 @@ from specdraft.heads.adapter import AdapterConfig, ExitAdapter, save_adapter
 from specdraft.heads.feature_head import causal_mask
 from specdraft.model.loader import LoadedModel
 from specdraft.model.transformer import grouped_attention
-from specdraft.train.common import (checkpoint_key, Loop, TeacherCache, data_fingerprint, resume, soft_cross_entropy, splits,
-                                    train_loop)
+from specdraft.train.common import (checkpoint_key, Loop, TeacherCache, data_fingerprint, draft_vocabulary, resume,
+                                    soft_cross_entropy, splits, train_loop)
 from specdraft.train.eagle import ChainMeasure
 from specdraft.train.teacher import TeacherBatch, TeacherConfig, length_batches
 
@@ -44,14 +48,15 @@ class AdapterTrainConfig:
     max_len: int = 768
     seed: int = 0
     eval_steps: int = 6
+    draft_vocab: int = 4096  # the tokens it drafts (>= the target's vocabulary: all of them)
     checkpoint_every: int = 20
     limit: int | None = None
     sources: tuple[str, ...] = ()  # train and held-out records of these prompt sets only (() = all)
     time_budget_s: float | None = None
 
     def __post_init__(self) -> None:
-        if self.epochs < 1 or self.lr <= 0 or self.soft_top_k < 1 or self.checkpoint_every < 1 or self.eval_steps < 1:
-            raise SpecdraftError("epochs, soft_top_k, eval_steps and checkpoint_every must be >= 1 and lr > 0")
+        if min(self.epochs, self.soft_top_k, self.checkpoint_every, self.eval_steps, self.draft_vocab) < 1 or self.lr <= 0:
+            raise SpecdraftError("epochs, soft_top_k, eval_steps, draft_vocab and checkpoint_every must be >= 1 and lr > 0")
 
     def key(self) -> dict[str, Any]:
         return checkpoint_key(self)
@@ -78,7 +83,10 @@ def evaluate(adapter: ExitAdapter, loaded: LoadedModel, batches: Seq[TeacherBatc
     reached = [0] * (steps + 1)
     for batch in batches:
         assert batch.top_ids is not None
-        right = adapter_logits(adapter, loaded, batch).argmax(-1) == batch.top_ids[..., 0].long()  # [B, T]
+        logits = adapter_logits(adapter, loaded, batch)  # [B, T, V]
+        if adapter.vocab is not None:
+            logits[..., ~adapter.vocab.t2d.to(logits.device)] = float("-inf")  # what drafting can propose
+        right = logits.argmax(-1) == batch.top_ids[..., 0].long()  # [B, T]
         b, t = right.shape
         valid = torch.zeros_like(right)
         n = max(0, t - steps + 1)
@@ -125,6 +133,8 @@ def train_adapter(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: A
     loop = Loop("layer-skip adapter", cfg.epochs, cfg.seed, cfg.checkpoint_every, cfg.time_budget_s, cfg.lr)
     if not train_loop(folder, key, adapter, opt, groups, progress, loop, step, log=log):
         return ChainMeasure()
+    if cfg.draft_vocab < loaded.config.vocab_size:
+        adapter.vocab = draft_vocabulary(loaded, (answer for _, answer in pairs), cfg.draft_vocab)
     held_cache = TeacherCache(loaded, held, teacher, keep=False)
     result = evaluate(adapter, loaded, list(held_cache.all(length_batches([len(p) + len(a) for p, a in held],
                                                                           cfg.batch_tokens))), cfg.eval_steps)
