@@ -142,6 +142,25 @@ def test_engine_sampling_is_lossless(sampled_setup) -> None:  # noqa: F811
     assert not triple.rejects, triple
 
 
+def test_sampling_over_a_reduced_draft_vocabulary_is_lossless(sampled_setup) -> None:  # noqa: F811
+    """An adapter that drafts over half the vocabulary (zero draft probability elsewhere): the
+    residual must give the other tokens their whole target probability."""
+    from specdraft.heads.adapter import AdapterConfig, ExitAdapter
+    from specdraft.heads.vocab import DraftVocab
+
+    def proposer(model, _tokenizer):  # type: ignore[no-untyped-def]
+        v = model.config.vocab_size
+        vocab = DraftVocab(torch.arange(0, v, 2), v)
+        adapter = ExitAdapter(AdapterConfig.for_target(model.config, 1), vocab).start_from(model.norm.weight)
+        return LayerSkipProposer(model, 1, adapter=adapter)
+
+    first, joint, triple, stats = _engine_lossless_check(sampled_setup, proposer=proposer)
+    assert stats.accepted > 0.02 * 2000
+    assert not first.rejects, first
+    assert not joint.rejects, joint
+    assert not triple.rejects, triple
+
+
 def test_bad_settings_are_refused_with_one_line(setup: Setup) -> None:
     for layers in ("0", str(LAYERS), "99"):
         with pytest.raises(SpecdraftError, match="layers") as err:
