@@ -167,7 +167,8 @@ class LayerSkipProposer:
     def memory_bytes(self) -> int:
         if self.adapter is None:
             return 0
-        return sum(p.numel() * p.element_size() for p in self.adapter.parameters()) + self.cache.nbytes
+        head = 0 if self.head is None else self.head.weight.numel() * self.head.weight.element_size()
+        return sum(p.numel() * p.element_size() for p in self.adapter.parameters()) + self.cache.nbytes + head
 
 
 def _adapter_step(adapter: ExitAdapter, target: Transformer, cache: HeadCache, rows: list[int], h: Tensor,
