@@ -41,7 +41,7 @@ def main() -> None:
     extra["draft_vocab"] = {"size": args.size, "train_answers": len(pairs), "chosen_by": "scripts/adapter_vocab.py"}
     save_adapter(adapter, args.folder, old["target"], dtype=torch.bfloat16, extra=extra)
     _, measure = evaluate_folder(loaded, args.folder, args.data)
-    print(f"{args.folder}: draft vocabulary {args.size} (from {len(pairs)} train answers); held out {measure.line()}")
+    print(f"{args.folder}: draft vocabulary {args.size} (from {len(pairs)} train answers); {measure.line()}")
     extra["held_out"] = {"tau": measure.tau, "accept": measure.accept, "positions": measure.positions,
                          "full_vocabulary": old.get("held_out")}
     save_adapter(adapter, args.folder, old["target"], dtype=torch.bfloat16, extra=extra)
