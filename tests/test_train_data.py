@@ -100,6 +100,38 @@ def test_training_on_some_sources_keeps_their_records_in_both_splits(tmp_path: P
         splits(tmp_path, None, ("chats",))
 
 
+def _folder(path: Path, rows: list[dict], tokenizer: str = "t0") -> Path:
+    path.mkdir()
+    (path / "manifest.json").write_text(json.dumps({"format": 1, "tokenizer": tokenizer}))
+    (path / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _row(i: int, split: str, temperature: float = 0.0) -> dict:
+    return {"id": f"s/{i}", "source": "s", "split": split, "temperature": temperature, "prompt": [1, i],
+            "response": [i, 7]}
+
+
+def test_several_data_folders_train_together_and_keep_the_held_out_apart(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from specdraft.train.common import splits
+
+    first = _folder(tmp_path / "greedy", [_row(0, "train"), _row(1, "validation"), _row(2, "train")])
+    second = _folder(tmp_path / "sampled", [_row(0, "train", 0.7), _row(2, "train", 0.7), _row(3, "train", 0.7)])
+    train, held, _ = splits(f"{first},{second}", None)
+    assert [p for p, _ in train] == [[1, 0], [1, 2], [1, 0], [1, 2], [1, 3]]
+    assert held == [([1, 1], [1, 7])]
+    assert splits([first, second], 2)[0] == train[:2]
+    other = _folder(tmp_path / "other", [_row(5, "train")], tokenizer="t1")
+    with pytest.raises(SpecdraftError, match="different tokenizers"):
+        splits(f"{first},{other}", None)
+    leak = _folder(tmp_path / "leak", [_row(1, "train", 0.7), _row(4, "train", 0.7)])  # the held-out prompt, as train
+    assert [p for p, _ in splits(f"{first},{leak}", None)[0]] == [[1, 0], [1, 2], [1, 4]]
+    assert "1 train answers dropped: their prompt is a validation prompt" in capsys.readouterr().err
+    with pytest.raises(SpecdraftError, match="no such data folder"):
+        splits(f"{first},{tmp_path / 'missing'}", None)
+
+
 def test_bad_training_folders_are_one_line_errors(tmp_path: Path, train_folder: Path) -> None:
     with pytest.raises(SpecdraftError, match="not found"):
         load_training_prompts(tmp_path / "nowhere")
@@ -143,22 +175,24 @@ def test_an_interrupted_run_keeps_finished_shards(tiny: LoadedModel, train_folde
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     prompts = load_training_prompts(train_folder)
     out = tmp_path / "data"
-    calls = 0
-    real = Engine.generate
+    import specdraft.train.data as data_module
 
-    def dies_on_the_third_batch(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+    calls = 0
+    real = data_module._write_shard
+
+    def dies_writing_the_third_shard(*args, **kwargs):  # type: ignore[no-untyped-def]
         nonlocal calls
         calls += 1
         if calls == 3:
             raise KeyboardInterrupt
-        return real(self, *args, **kwargs)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(Engine, "generate", dies_on_the_third_batch)
+    monkeypatch.setattr(data_module, "_write_shard", dies_writing_the_third_shard)
     with pytest.raises(KeyboardInterrupt):
         generate_data(tiny, prompts, out, DataConfig(max_new_tokens=4, batch_size=2, shard_size=2))
     assert len(read_shards(out)) == 4  # two whole shards; the third was lost, nothing half-written
     assert not list(out.glob("*.tmp"))
-    monkeypatch.setattr(Engine, "generate", real)
+    monkeypatch.setattr(data_module, "_write_shard", real)
     report = generate_data(tiny, prompts, out, DataConfig(max_new_tokens=4, batch_size=2, shard_size=2))
     assert report.done == len(prompts) and report.answered == len(prompts) - 4
 
@@ -304,7 +338,8 @@ def test_medusa_training_learns_saves_resumes_and_refuses_other_settings(
     with pytest.raises(SpecdraftError, match="3 heads|2 heads"):  # the settings must match the heads they start from
         train_medusa(tiny, data, tmp_path / "m3", MedusaTrainConfig(heads=3, draft_vocab=64, init=str(out)))
     assert main(["train", "medusa", "--data", str(data), "--out", str(tmp_path / "m4"), "--init", str(tmp_path / "nowhere"),
-                 "--heads", "2", "--draft-vocab", "64"]) == 2
+                 "--heads", "2", "--draft-vocab", "64", "--model", str(tiny.source)]) == 2
+    assert "nowhere" in capsys.readouterr().err
     assert main(["train", "medusa", "--data", str(tmp_path / "nowhere"), "--out", str(out)]) == 2
 
 
@@ -377,7 +412,10 @@ def test_mtp_training_learns_and_saves_a_loadable_module(tiny: LoadedModel, tmp_
     with pytest.raises(SpecdraftError, match="no|not"):
         train_eagle(tiny, data, tmp_path / "m3", dataclasses.replace(cfg, init=str(tmp_path / "nowhere")), kind="mtp")
     assert main(["train", "mtp", "--data", str(data), "--out", str(tmp_path / "m2"), "--limit", "8", "--steps", "1",
-                 "--draft-vocab", "64", "--batch-tokens", "256"]) == 0
+                 "--draft-vocab", "64", "--batch-tokens", "256", "--model", str(tiny.source)]) == 0
+    # the default model refuses the tiny model's answers (another tokenizer) in one line
+    assert main(["train", "mtp", "--data", str(data), "--out", str(tmp_path / "m4"), "--limit", "8"]) == 2
+    assert "holds answers of a model with another tokenizer" in capsys.readouterr().err
     # `train eval` measures the saved module as training did at its end (bfloat16 weights saved)
     capsys.readouterr()
     assert main(["train", "eval", str(tmp_path / "mtp"), "--data", str(data), "--steps", "2", "--batch-tokens", "512",
@@ -416,3 +454,15 @@ def test_references_keep_to_the_chosen_sets_and_enter_the_draft_vocabulary(
     vocab = set(load_mtp(tmp_path / "mtp", tiny.config).target_ids.tolist())
     reference_tokens = {t for _, a in every for t in a}
     assert len(reference_tokens) < 64 and reference_tokens <= vocab  # every token the references use
+
+
+def test_answers_of_another_model_are_refused_before_training(tmp_path: Path, tiny: LoadedModel) -> None:
+    from specdraft.datastore import tokenizer_fingerprint
+    from specdraft.train.common import splits
+
+    rows = [_row(0, "train"), _row(1, "validation")]
+    ours = _folder(tmp_path / "ours", rows, tokenizer=tokenizer_fingerprint(tiny.tokenizer))
+    assert len(splits(ours, None, model=tiny)[0]) == 1
+    theirs = _folder(tmp_path / "theirs", rows, tokenizer="another")
+    with pytest.raises(SpecdraftError, match="theirs holds answers of a model with another tokenizer"):
+        splits(theirs, None, model=tiny)

@@ -108,7 +108,7 @@ def evaluate(adapter: ExitAdapter, loaded: LoadedModel, batches: Seq[TeacherBatc
 def train_adapter(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: AdapterTrainConfig,
                   log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> ChainMeasure:
     """Train (or resume) an early-exit adapter for ``loaded``; see the module doc."""
-    pairs, held, _ = splits(data, cfg.limit, cfg.sources)
+    pairs, held, _ = splits(data, cfg.limit, cfg.sources, loaded)
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)

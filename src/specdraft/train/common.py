@@ -22,7 +22,7 @@ from tqdm import tqdm
 from specdraft.errors import SpecdraftError
 from specdraft.heads.vocab import DraftVocab
 from specdraft.model.loader import LoadedModel
-from specdraft.train.data import read_shards
+from specdraft.train.data import MANIFEST, read_shards
 from specdraft.train.teacher import TeacherBatch, TeacherConfig, teacher_batches
 from specdraft.train.vocab import most_frequent, token_counts
 
@@ -37,18 +37,65 @@ def checkpoint_key(cfg: Any) -> dict[str, Any]:
     return {k: v for k, v in asdict(cfg).items() if k not in skip}
 
 
-def splits(data: str | Path, limit: int | None, sources: Seq[str] = ()) -> tuple[list[Pair], list[Pair], list[dict[str, Any]]]:
-    """(train pairs, held-out greedy pairs, train records) of a ``specdraft train data`` folder.
+def data_folders(data: str | Path | Seq[str | Path]) -> list[Path]:
+    """The folders of a ``--data`` value: one path, a comma-separated list, or a sequence."""
+    items = data.split(",") if isinstance(data, str) else [data] if isinstance(data, Path) else list(data)
+    folders = [Path(str(d).strip()) for d in items if str(d).strip()]
+    if not folders:
+        raise SpecdraftError("no data folder given")
+    return folders
+
+
+def read_data(data: str | Path | Seq[str | Path], model: LoadedModel | None = None) -> list[dict[str, Any]]:
+    """Every record of one or several ``specdraft train data`` folders, in order. The folders
+    must hold answers of one tokenizer (their manifests), ``model``'s when given, so token ids
+    mean one thing."""
+    from specdraft.datastore import tokenizer_fingerprint
+
+    records: list[dict[str, Any]] = []
+    seen: dict[str, Path] = {}
+    if model is not None:
+        seen[tokenizer_fingerprint(model.tokenizer)] = Path(model.source.name)
+    for folder in data_folders(data):
+        if not folder.is_dir():
+            raise SpecdraftError(f"{folder}: no such data folder")
+        try:
+            tok = json.loads((folder / MANIFEST).read_text(encoding="utf-8")).get("tokenizer")
+        except (OSError, json.JSONDecodeError):
+            tok = None
+        if tok is not None:
+            seen.setdefault(tok, folder)
+        records += read_shards(folder)
+    if len(seen) > 1:
+        a, b = list(seen.values())[:2]
+        if model is not None:
+            raise SpecdraftError(f"{b} holds answers of a model with another tokenizer than {a}; "
+                                 f"make the data with this model (`specdraft train data`)")
+        raise SpecdraftError(f"{a} and {b} hold answers of different tokenizers; train on one model's data")
+    return records
+
+
+def splits(data: str | Path | Seq[str | Path], limit: int | None, sources: Seq[str] = (),
+           model: LoadedModel | None = None) -> tuple[list[Pair], list[Pair], list[dict[str, Any]]]:
+    """(train pairs, held-out greedy pairs, train records) of ``specdraft train data`` folders
+    (one, or several: e.g. a second sampled answer per prompt in a folder of its own).
     Held-out answers are the greedy ones of the validation split: the exact measure.
-    ``sources``: only the records of these prompt sets, in both splits (() = all)."""
-    records = read_shards(Path(data))
+    ``sources``: only the records of these prompt sets, in both splits (() = all); ``model``:
+    the target the answers must come from (its tokenizer)."""
+    records = read_data(data, model)
     if sources:
         known = {r["source"] for r in records}
         missing = [s for s in sources if s not in known]
         if missing:
             raise SpecdraftError(f"{data}: no answers from {', '.join(missing)} (its sources: {', '.join(sorted(known))})")
         records = [r for r in records if r["source"] in sources]
-    train = [r for r in records if r["split"] == "train" and r["response"]][:limit]
+    held_prompts = {tuple(r["prompt"]) for r in records if r["split"] == "validation"}
+    train = [r for r in records if r["split"] == "train" and r["response"]]
+    clean = [r for r in train if tuple(r["prompt"]) not in held_prompts]
+    if len(clean) < len(train):  # the same prompt text under another id: keep the held-out measure clean
+        print(f"{data}: {len(train) - len(clean)} train answers dropped: their prompt is a validation prompt",
+              file=sys.stderr)
+    train = clean[:limit]
     held = [r for r in records if r["split"] == "validation" and r["temperature"] == 0 and r["response"]]
     if not train or not held:
         raise SpecdraftError(f"{data}: need answers in both splits (train {len(train)}, validation {len(held)}); "

@@ -24,7 +24,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable, Iterator, Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -135,8 +135,6 @@ def generate_data(
 ) -> DataReport:
     """Answer ``prompts`` (the first ``cfg.limit`` of the chosen splits) into ``out``; see the
     module doc. Returns what this call did."""
-    from specdraft.engine import Engine
-
     folder = Path(out).expanduser()
     _check_manifest(folder, cfg.manifest(loaded, dtype))
     done = {r["id"] for r in read_shards(folder)}
@@ -151,32 +149,59 @@ def generate_data(
             report.skipped_long += 1
             continue
         todo.append((i, p, ids))
-    engine = Engine(loaded.model, loaded.tokenizer)
-    gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens)
     t0 = time.perf_counter()
     bar = tqdm(total=len(todo), desc="train data", unit="prompt", file=sys.stderr)
-    for start in range(0, len(todo), cfg.shard_size):
-        if cfg.time_budget_s is not None and time.perf_counter() - t0 > cfg.time_budget_s:
-            report.stopped = "time budget"
-            break
-        chunk = sorted(todo[start : start + cfg.shard_size], key=lambda x: len(x[2]))  # similar lengths batch well
-        records = []
-        for b in range(0, len(chunk), cfg.batch_size):
-            batch = chunk[b : b + cfg.batch_size]
-            samplings = [_sampling(cfg, i) for i, _, _ in batch]
-            results = engine.generate([ids for _, _, ids in batch], gen, samplings)
-            for (i, p, ids), s, r in zip(batch, samplings, results):
-                records.append({"id": p.id, "source": p.source, "split": p.split, "temperature": s.temperature,
-                                "seed": s.seed, "prompt": ids, "response": r.tokens, "finish": r.finish_reason})
-                report.tokens += len(r.tokens)
-            bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{report.tokens / (time.perf_counter() - t0):.0f}")
+    shards = [todo[i : i + cfg.shard_size] for i in range(0, len(todo), cfg.shard_size)]
+    for records in _answer_shards(loaded, shards, cfg, report, t0, bar):
         _write_shard(folder, records)
         report.answered += len(records)
         report.done += len(records)
     bar.close()
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _answer_shards(loaded: LoadedModel, shards: list[list[tuple[int, TrainPrompt, list[int]]]], cfg: DataConfig,
+                   report: DataReport, t0: float, bar: tqdm) -> Iterator[list[dict[str, Any]]]:
+    """Answer the shards' prompts through the continuous-batching scheduler (a finished row's
+    slot takes the next prompt at once, so the batch stays full instead of waiting for its
+    longest answer) and yield each shard's records, in order, once all of them are answered.
+    No prompt of a new shard is queued once the time budget is spent."""
+    from specdraft.engine import Engine
+    from specdraft.scheduler import Request, Scheduler, SchedulerConfig
+
+    capacity = cfg.max_prompt_tokens + cfg.max_new_tokens + 1
+    sched = Scheduler(Engine(loaded.model, loaded.tokenizer),
+                      SchedulerConfig(max_batch=cfg.batch_size, max_queue=cfg.batch_size, row_capacity=capacity,
+                                      prefill_tokens=cfg.batch_size * cfg.max_prompt_tokens))
+    gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens)
+    pending: list[list[tuple[TrainPrompt, Sampling, Request]]] = []  # shards in flight, oldest first
+    queue = list(shards)
+    todo: list[tuple[int, TrainPrompt, list[int]]] = []  # the newest shard's prompts not yet queued
+    while True:
+        while len(sched.waiting) < cfg.batch_size:  # keep the queue as long as a batch
+            if not todo:
+                if not queue:
+                    break
+                if cfg.time_budget_s is not None and time.perf_counter() - t0 > cfg.time_budget_s:
+                    report.stopped = "time budget"
+                    break
+                todo = list(queue.pop(0))
+                pending.append([])
+            i, p, ids = todo.pop(0)
+            s = _sampling(cfg, i)
+            pending[-1].append((p, s, sched.submit(ids, gen, s)))
+        busy = sched.run_once()
+        while pending and (not todo or len(pending) > 1) and all(r.finished_at for _, _, r in pending[0]):
+            done = pending.pop(0)
+            bar.update(len(done))
+            report.tokens += sum(len(r.seq.output) for _, _, r in done)
+            bar.set_postfix(tok_s=f"{report.tokens / (time.perf_counter() - t0):.0f}")
+            yield [{"id": p.id, "source": p.source, "split": p.split, "temperature": s.temperature, "seed": s.seed,
+                    "prompt": r.seq.prompt, "response": list(r.seq.output), "finish": r.seq.finish_reason or "length"}
+                   for p, s, r in done]
+        if not busy and not todo and not pending and (not queue or report.stopped == "time budget"):
+            return
 
 
 def _sampling(cfg: DataConfig, index: int) -> Sampling:

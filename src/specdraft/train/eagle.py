@@ -209,7 +209,7 @@ def train_eagle(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: Eag
     teacher-forced answers from ``prompts_root``); see the module doc."""
     if kind not in ("eagle", "mtp"):
         raise SpecdraftError(f"unknown head kind {kind!r}")
-    pairs, held, _ = splits(data, cfg.limit, cfg.sources)
+    pairs, held, _ = splits(data, cfg.limit, cfg.sources, loaded)
     if cfg.references:
         if prompts_root is None:
             raise SpecdraftError("references need the training prompts folder (--prompts)")

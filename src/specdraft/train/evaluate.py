@@ -56,7 +56,7 @@ def evaluate_folder(loaded: LoadedModel, folder: str | Path, data: str | Path, c
     """(kind, measure) of the trained folder on ``data``'s held-out greedy answers; the measure
     is a ``ChainMeasure`` (or Medusa's ``HeldOut``) with ``line()``."""
     kind = head_kind(folder)
-    _, held, _ = splits(data, None, cfg.sources)
+    _, held, _ = splits(data, None, cfg.sources, loaded)
     held = held[: cfg.limit]
     groups = length_batches([len(p) + len(a) for p, a in held], cfg.batch_tokens)
     device = loaded.model.device

@@ -148,7 +148,7 @@ def _start(loaded: LoadedModel, train_records: Seq[Any], cfg: MedusaTrainConfig)
 def train_medusa(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: MedusaTrainConfig,
                  log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> HeldOut:
     """Train (or resume) Medusa heads for ``loaded`` on the data folder; see the module doc."""
-    pairs, held, train_records = splits(data, cfg.limit, cfg.sources)
+    pairs, held, train_records = splits(data, cfg.limit, cfg.sources, loaded)
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     model, c = loaded.model, loaded.config
