@@ -122,6 +122,10 @@ def test_several_data_folders_train_together_and_keep_the_held_out_apart(tmp_pat
     assert [p for p, _ in train] == [[1, 0], [1, 2], [1, 0], [1, 2], [1, 3]]
     assert held == [([1, 1], [1, 7])]
     assert splits([first, second], 2)[0] == train[:2]
+    only, held_too, _ = splits(second, None, held_out=first)  # second answers only, measured on the first folder's
+    assert [p for p, _ in only] == [[1, 0], [1, 2], [1, 3]] and held_too == held
+    with pytest.raises(SpecdraftError, match="need answers in both splits"):
+        splits(second, None)
     other = _folder(tmp_path / "other", [_row(5, "train")], tokenizer="t1")
     with pytest.raises(SpecdraftError, match="different tokenizers"):
         splits(f"{first},{other}", None)
@@ -412,7 +416,7 @@ def test_mtp_training_learns_and_saves_a_loadable_module(tiny: LoadedModel, tmp_
     with pytest.raises(SpecdraftError, match="no|not"):
         train_eagle(tiny, data, tmp_path / "m3", dataclasses.replace(cfg, init=str(tmp_path / "nowhere")), kind="mtp")
     assert main(["train", "mtp", "--data", str(data), "--out", str(tmp_path / "m2"), "--limit", "8", "--steps", "1",
-                 "--draft-vocab", "64", "--batch-tokens", "256", "--model", str(tiny.source)]) == 0
+                 "--draft-vocab", "64", "--batch-tokens", "256", "--model", str(tiny.source), "--held-out", str(data)]) == 0
     # the default model refuses the tiny model's answers (another tokenizer) in one line
     assert main(["train", "mtp", "--data", str(data), "--out", str(tmp_path / "m4"), "--limit", "8"]) == 2
     assert "holds answers of a model with another tokenizer" in capsys.readouterr().err

@@ -53,6 +53,9 @@ def add_train_commands(sub: argparse._SubParsersAction, add_model_options) -> No
                                        "end. Rerun the same command to resume after an interrupt.")
     m.add_argument("--data", required=True, metavar="DIR[,DIR]",
                    help="a folder written by `specdraft train data`, or several, comma-separated")
+    m.add_argument("--held-out", metavar="DIR[,DIR]", default=None,
+                   help="measure on these folders' validation answers instead of --data's (e.g. --data holds "
+                        "second answers only)")
     m.add_argument("--out", required=True, metavar="DIR", help="output folder (checkpoint, then config.json + model.safetensors)")
     m.add_argument("--heads", type=int, default=3, help="K, tokens guessed past the bonus token (default: 3)")
     m.add_argument("--draft-vocab", type=int, default=4096, help="reduced vocabulary size (default: 4096)")
@@ -78,6 +81,9 @@ def add_train_commands(sub: argparse._SubParsersAction, add_model_options) -> No
                                            "Rerun the same command to resume after an interrupt.")
         e.add_argument("--data", required=True, metavar="DIR[,DIR]",
                        help="a folder written by `specdraft train data`, or several, comma-separated")
+        e.add_argument("--held-out", metavar="DIR[,DIR]", default=None,
+                       help="measure on these folders' validation answers instead of --data's (e.g. --data holds "
+                            "second answers only)")
         e.add_argument("--out", required=True, metavar="DIR", help="output folder (checkpoint, then config.json + model.safetensors)")
         e.add_argument("--draft-vocab", type=int, default=4096, help="reduced vocabulary size (default: 4096)")
         e.add_argument("--steps", type=int, default=3, help="training-time test steps (default: 3)")
@@ -105,6 +111,9 @@ def add_train_commands(sub: argparse._SubParsersAction, add_model_options) -> No
                                        "drafts are accepted. Rerun the same command to resume after an interrupt.")
     a.add_argument("--data", required=True, metavar="DIR[,DIR]",
                    help="a folder written by `specdraft train data`, or several, comma-separated")
+    a.add_argument("--held-out", metavar="DIR[,DIR]", default=None,
+                   help="measure on these folders' validation answers instead of --data's (e.g. --data holds "
+                        "second answers only)")
     a.add_argument("--out", required=True, metavar="DIR", help="output folder (checkpoint, then config.json + model.safetensors)")
     a.add_argument("--exit-layer", type=int, default=4, help="L, the target layers that draft (default: 4)")
     a.add_argument("--draft-vocab", type=int, default=4096,
@@ -231,7 +240,7 @@ def cmd_train_medusa(args: argparse.Namespace) -> int:
     cfg = MedusaTrainConfig(heads=args.heads, draft_vocab=args.draft_vocab, epochs=args.epochs, lr=args.lr,
                             batch_tokens=args.batch_tokens, seed=args.seed, limit=args.limit,
                             sources=_sources(args), time_budget_s=args.time_budget, init=args.init)
-    result = train_medusa(_teacher(args), args.data, args.out, cfg)
+    result = train_medusa(_teacher(args), args.data, args.out, cfg, held_out=args.held_out)
     return _report("medusa", result, args.out)
 
 
@@ -246,7 +255,8 @@ def cmd_train_head(args: argparse.Namespace) -> int:
                            batch_tokens=args.batch_tokens, seed=args.seed, limit=args.limit,
                            references=args.references, sources=_sources(args), time_budget_s=args.time_budget,
                            init=args.init)
-    result = train_eagle(_teacher(args), args.data, args.out, cfg, prompts_root=args.prompts, kind=args.kind)
+    result = train_eagle(_teacher(args), args.data, args.out, cfg, prompts_root=args.prompts, kind=args.kind,
+                         held_out=args.held_out)
     return _report(args.kind, result, args.out)
 
 
@@ -259,7 +269,7 @@ def cmd_train_adapter(args: argparse.Namespace) -> int:
     loaded = _teacher(args)
     if not 1 <= cfg.exit_layer < loaded.config.num_layers:
         raise SpecdraftError(f"--exit-layer must be in 1..{loaded.config.num_layers - 1}, got {cfg.exit_layer}")
-    result = train_adapter(loaded, args.data, args.out, cfg)
+    result = train_adapter(loaded, args.data, args.out, cfg, held_out=args.held_out)
     return _report("layer-skip", result, args.out)
 
 

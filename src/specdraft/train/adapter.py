@@ -106,9 +106,10 @@ def evaluate(adapter: ExitAdapter, loaded: LoadedModel, batches: Seq[TeacherBatc
 
 
 def train_adapter(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: AdapterTrainConfig,
-                  log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> ChainMeasure:
+                  log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
+                  held_out: str | Path | None = None) -> ChainMeasure:
     """Train (or resume) an early-exit adapter for ``loaded``; see the module doc."""
-    pairs, held, _ = splits(data, cfg.limit, cfg.sources, loaded)
+    pairs, held, _ = splits(data, cfg.limit, cfg.sources, loaded, held_out)
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)

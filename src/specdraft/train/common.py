@@ -76,31 +76,38 @@ def read_data(data: str | Path | Seq[str | Path], model: LoadedModel | None = No
 
 
 def splits(data: str | Path | Seq[str | Path], limit: int | None, sources: Seq[str] = (),
-           model: LoadedModel | None = None) -> tuple[list[Pair], list[Pair], list[dict[str, Any]]]:
+           model: LoadedModel | None = None,
+           held_out: str | Path | Seq[str | Path] | None = None) -> tuple[list[Pair], list[Pair], list[dict[str, Any]]]:
     """(train pairs, held-out greedy pairs, train records) of ``specdraft train data`` folders
     (one, or several: e.g. a second sampled answer per prompt in a folder of its own).
-    Held-out answers are the greedy ones of the validation split: the exact measure.
-    ``sources``: only the records of these prompt sets, in both splits (() = all); ``model``:
-    the target the answers must come from (its tokenizer)."""
-    records = read_data(data, model)
-    if sources:
-        known = {r["source"] for r in records}
-        missing = [s for s in sources if s not in known]
-        if missing:
-            raise SpecdraftError(f"{data}: no answers from {', '.join(missing)} (its sources: {', '.join(sorted(known))})")
-        records = [r for r in records if r["source"] in sources]
-    held_prompts = {tuple(r["prompt"]) for r in records if r["split"] == "validation"}
+    Held-out answers are the greedy ones of the validation split (of the ``held_out`` folders
+    when given, else of ``data``'s): the exact measure. ``sources``: only the records of these
+    prompt sets, in both splits (() = all); ``model``: the target the answers must come from
+    (its tokenizer)."""
+    records = _of_sources(read_data(data, model), sources, data)
+    held_records = records if held_out is None else _of_sources(read_data(held_out, model), sources, held_out)
+    held_prompts = {tuple(r["prompt"]) for r in held_records if r["split"] == "validation"}
     train = [r for r in records if r["split"] == "train" and r["response"]]
     clean = [r for r in train if tuple(r["prompt"]) not in held_prompts]
     if len(clean) < len(train):  # the same prompt text under another id: keep the held-out measure clean
         print(f"{data}: {len(train) - len(clean)} train answers dropped: their prompt is a validation prompt",
               file=sys.stderr)
     train = clean[:limit]
-    held = [r for r in records if r["split"] == "validation" and r["temperature"] == 0 and r["response"]]
+    held = [r for r in held_records if r["split"] == "validation" and r["temperature"] == 0 and r["response"]]
     if not train or not held:
-        raise SpecdraftError(f"{data}: need answers in both splits (train {len(train)}, validation {len(held)}); "
-                             f"make more with `specdraft train data`")
+        raise SpecdraftError(f"{data if held_out is None else f'{data} / {held_out}'}: need answers in both splits "
+                             f"(train {len(train)}, validation {len(held)}); make more with `specdraft train data`")
     return [(r["prompt"], r["response"]) for r in train], [(r["prompt"], r["response"]) for r in held], train
+
+
+def _of_sources(records: list[dict[str, Any]], sources: Seq[str], data: object) -> list[dict[str, Any]]:
+    if not sources:
+        return records
+    known = {r["source"] for r in records}
+    missing = [s for s in sources if s not in known]
+    if missing:
+        raise SpecdraftError(f"{data}: no answers from {', '.join(missing)} (its sources: {', '.join(sorted(known))})")
+    return [r for r in records if r["source"] in sources]
 
 
 def reference_pairs(loaded: LoadedModel, prompts_root: str | Path, count: int, max_len: int = 768,

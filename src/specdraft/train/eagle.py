@@ -203,13 +203,14 @@ def _start(loaded: LoadedModel, pairs: Seq[Pair], cfg: EagleTrainConfig, kind: s
 
 def train_eagle(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: EagleTrainConfig,
                 log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
-                prompts_root: str | Path | None = None, kind: str = "eagle") -> ChainMeasure:
+                prompts_root: str | Path | None = None, kind: str = "eagle",
+                held_out: str | Path | None = None) -> ChainMeasure:
     """Train (or resume) an EAGLE-3 head (``kind`` "eagle") or an MTP module ("mtp"; ``cfg.taps``
     is then the target's last layer) for ``loaded`` on the data folder (plus ``cfg.references``
     teacher-forced answers from ``prompts_root``); see the module doc."""
     if kind not in ("eagle", "mtp"):
         raise SpecdraftError(f"unknown head kind {kind!r}")
-    pairs, held, _ = splits(data, cfg.limit, cfg.sources, loaded)
+    pairs, held, _ = splits(data, cfg.limit, cfg.sources, loaded, held_out)
     if cfg.references:
         if prompts_root is None:
             raise SpecdraftError("references need the training prompts folder (--prompts)")

@@ -146,9 +146,10 @@ def _start(loaded: LoadedModel, train_records: Seq[Any], cfg: MedusaTrainConfig)
 
 
 def train_medusa(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: MedusaTrainConfig,
-                 log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> HeldOut:
+                 log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
+                 held_out: str | Path | None = None) -> HeldOut:
     """Train (or resume) Medusa heads for ``loaded`` on the data folder; see the module doc."""
-    pairs, held, train_records = splits(data, cfg.limit, cfg.sources, loaded)
+    pairs, held, train_records = splits(data, cfg.limit, cfg.sources, loaded, held_out)
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     model, c = loaded.model, loaded.config
