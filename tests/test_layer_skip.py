@@ -117,6 +117,50 @@ def test_drafts_are_the_early_exit_greedy_tokens_and_the_cache_is_untouched(setu
         assert list(draft.tokens) == early_exit_greedy(target.model, s.tokens, layers, budgets[row])
 
 
+@torch.inference_mode()
+def early_exit_confidence(model: Transformer, tokens: list[int], layers: int, drafted: list[int]) -> list[float]:
+    """The cut model's top probability before each drafted token (teacher-forced)."""
+    full = tokens + drafted[:-1]
+    cache = model.new_cache(1, len(full))
+    out = model(torch.tensor([full]), torch.arange(len(full))[None], cache, num_layers=layers)
+    return out.logits[0, len(tokens) - 1:].float().softmax(-1).amax(-1).tolist()
+
+
+def test_the_confidence_stop_cuts_each_chain_where_the_exit_is_unsure(setup: Setup) -> None:
+    target, layers, budget = setup.target, 2, 4
+    seqs, cache = prefilled(setup)
+    whole = LayerSkipProposer(target.model, layers).propose(seqs, [budget] * len(seqs), cache)
+    conf = [early_exit_confidence(target.model, s.tokens, layers, list(d.tokens)) for s, d in zip(seqs, whole)]
+    gamma = sorted(c for row in conf for c in row)[len(seqs) * budget // 2]  # about half the nodes are sure enough
+    cut = LayerSkipProposer(target.model, layers, stop_below=gamma).propose(seqs, [budget] * len(seqs), cache)
+    lengths = []
+    for row, (w, c, p) in enumerate(zip(whole, cut, conf)):
+        keep = next((i for i, x in enumerate(p) if x < gamma), budget)  # the first unsure node and all after it go
+        assert list(c.tokens) == list(w.tokens)[:keep], f"row {row}"
+        lengths.append(keep)
+    assert 0 < sum(lengths) < len(seqs) * budget
+    assert all(len(d.tokens) == 0 for d in LayerSkipProposer(target.model, layers, stop_below=0.999).propose(
+        seqs, [budget] * len(seqs), cache))
+
+
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_confidence_stopped_drafts_equal_plain(setup: Setup, policy: str) -> None:
+    proposer = make_proposer("layer-skip", {"layers": "2", "stop_below": "0.02"}, context(setup.target))
+    stats = SpecStats()
+    results = engine(setup.target, proposer, policy=policy).generate(setup.prompts, GEN, stats=stats)
+    assert [r.tokens for r in results] == setup.refs
+    assert stats.proposed > 0
+
+
+def test_sampling_with_the_confidence_stop_is_lossless(sampled_setup) -> None:  # noqa: F811
+    first, joint, triple, stats = _engine_lossless_check(
+        sampled_setup, proposer=lambda model, tokenizer: LayerSkipProposer(model, 1, stop_below=0.3))
+    assert stats.accepted > 0.02 * 2000
+    assert not first.rejects, first
+    assert not joint.rejects, joint
+    assert not triple.rejects, triple
+
+
 def test_a_middle_skip_drafts_on_the_targets_own_prefix_and_leaves_the_cache_as_found(setup: Setup) -> None:
     target = setup.target
     seqs, cache = prefilled(setup)
@@ -177,6 +221,9 @@ def test_bad_settings_are_refused_with_one_line(setup: Setup) -> None:
     assert "\n" not in str(err.value)
     with pytest.raises(SpecdraftError, match="last must be"):
         LayerSkipConfig(last=-1)
+    for bad in (-0.1, 1.0, 2):
+        with pytest.raises(SpecdraftError, match="stop_below must be in"):
+            LayerSkipConfig(stop_below=bad)
 
 
 def test_sweep_speedup_estimate() -> None:

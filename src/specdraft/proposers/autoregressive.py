@@ -18,6 +18,10 @@ candidates after them, so the KV the drafter wrote for the chain (all but its la
 right after the root in the cache, in node order: ``Drafted.fed`` says how many nodes that is.
 Rows that do not draft, or stop earlier, are fed a dummy token: their extra positions are
 scratch for the caller to roll back.
+
+``stop_below`` (Kangaroo's confidence stop): a chain row stops where the drafter's top
+probability for the next node falls below it, before taking that node (at the first position
+the row then drafts nothing). The rule reads the drafter alone, so sampled output stays exact.
 """
 
 from __future__ import annotations
@@ -101,19 +105,37 @@ def plan_rows(seqs: Seq[Sequence | None], budgets: Seq[int], branches: int) -> l
 
 
 def draft_chains(
-    drafter: StepDrafter, root_logits: Tensor, seqs: Seq[Sequence | None], budgets: Seq[int], branches: int, vocab: int
+    drafter: StepDrafter, root_logits: Tensor, seqs: Seq[Sequence | None], budgets: Seq[int], branches: int, vocab: int,
+    stop_below: float = 0.0,
 ) -> Drafted:
     """Draft every row's chain (see the module doc). root_logits: [B, V_draft], the drafter's
-    logits after each row's root. ``vocab``: the target's logits width (for ``p_draft``)."""
+    logits after each row's root. ``vocab``: the target's logits width (for ``p_draft``).
+    ``stop_below``: the confidence stop (module doc; 0 = none)."""
     rows = plan_rows(seqs, budgets, branches)
     depth = max((r.depth for r in rows if r is not None), default=0)
     if depth:
+        _stop_unsure(rows, root_logits, 0, stop_below)
         _first_level(rows, seqs, root_logits)
     for level in range(1, depth):
+        if not any(r is not None and r.depth > level for r in rows):
+            break  # every row stopped
         fed = [r.chain[-1] if r is not None and r.depth > level else 0 for r in rows]
-        _next_level(rows, seqs, drafter.step(fed), level)
-    drafts = [r.draft(vocab) if r is not None else Draft.empty() for r in rows]
-    return Drafted(drafts, [r.depth - 1 if r is not None else 0 for r in rows])
+        logits = drafter.step(fed)  # [B, V_draft]
+        _stop_unsure(rows, logits, level, stop_below)
+        _next_level(rows, seqs, logits, level)
+    drafts = [r.draft(vocab) if r is not None and r.depth else Draft.empty() for r in rows]
+    return Drafted(drafts, [max(r.depth - 1, 0) if r is not None else 0 for r in rows])
+
+
+def _stop_unsure(rows: list[_Row | None], logits: Tensor, level: int, stop_below: float) -> None:
+    """End the chain rows still drafting at ``level`` whose drafter puts less than
+    ``stop_below`` on its top token there (logits: [B, V_draft]); trees are left whole."""
+    if stop_below <= 0:
+        return
+    top = logits.float().softmax(-1).amax(-1).tolist()  # [B]
+    for i, row in enumerate(rows):
+        if row is not None and row.branches == 1 and row.depth > level and top[i] < stop_below:
+            row.depth = level
 
 
 def _first_level(rows: list[_Row | None], seqs: Seq[Sequence | None], logits: Tensor) -> None:
@@ -121,7 +143,7 @@ def _first_level(rows: list[_Row | None], seqs: Seq[Sequence | None], logits: Te
     widest = max(r.branches for r in rows if r is not None)
     top = logits.topk(widest, dim=-1).indices.tolist()  # [B, widest]
     for i, (row, seq) in enumerate(zip(rows, seqs)):
-        if row is None or seq is None:
+        if row is None or seq is None or row.depth == 0:  # (stopped before its first node)
             continue
         if row.greedy:
             tokens = top[i][: row.branches]

@@ -55,15 +55,20 @@ class LayerSkipConfig:
     candidate continues as the chain). adapter: a trained early-exit adapter (``specdraft train
     layer-skip``; empty: the one shipped for the model if any; ``none``: the untrained exit); it
     sets ``layers`` to its exit layer. full_vocab: draft over the whole vocabulary even where the
-    adapter has a reduced draft vocabulary (slower drafts; for comparison)."""
+    adapter has a reduced draft vocabulary (slower drafts; for comparison). stop_below:
+    Kangaroo's confidence stop, a chain ends where the exit's top probability for the next token
+    falls below it (0 = draft the whole budget)."""
 
     layers: int = DEFAULT_LAYERS
     branches: int = 1
     last: int = 0
     adapter: str = ""  # a trained adapter folder; "" = the one shipped for the model, if any; "none" = untrained
     full_vocab: bool = False
+    stop_below: float = 0.0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.stop_below, (int, float)) or not 0.0 <= self.stop_below < 1.0:
+            raise SpecdraftError(f"layer-skip: stop_below must be in [0, 1), got {self.stop_below!r}")
         if not isinstance(self.layers, int) or self.layers < 1:
             raise SpecdraftError(f"layer-skip: layers must be an integer >= 1, got {self.layers!r}")
         if not isinstance(self.last, int) or self.last < 0:
@@ -76,7 +81,7 @@ class LayerSkipProposer:
     name = "layer-skip"
 
     def __init__(self, target: Transformer, layers: int, branches: int = 1, last: int = 0,
-                 adapter: ExitAdapter | None = None, full_vocab: bool = False) -> None:
+                 adapter: ExitAdapter | None = None, full_vocab: bool = False, stop_below: float = 0.0) -> None:
         total = target.config.num_layers
         if adapter is not None and (last or adapter.config.exit_layer != layers):
             raise SpecdraftError(f"layer-skip: the adapter exits after layer {adapter.config.exit_layer}; "
@@ -89,6 +94,7 @@ class LayerSkipProposer:
         self.target = target
         self.layers = layers
         self.branches = branches
+        self.stop_below = float(stop_below)
         self.layer_ids = (*range(layers), *range(total - last, total))  # the layers that draft
         self.adapter = None if adapter is None else adapter.to(device=target.device, dtype=target.dtype).eval()
         vocab = None if adapter is None or full_vocab else adapter.vocab
@@ -126,7 +132,7 @@ class LayerSkipProposer:
         try:
             root_logits = drafter.step([s.tokens[-1] if s is not None else 0 for s in seqs])  # [B, V]
             vocab = self.target.config.vocab_size
-            return draft_chains(drafter, root_logits, seqs, budgets, self.branches, vocab).drafts
+            return draft_chains(drafter, root_logits, seqs, budgets, self.branches, vocab, self.stop_below).drafts
         finally:
             cache.truncate(committed)
 
@@ -220,4 +226,5 @@ def make_layer_skip_proposer(config: LayerSkipConfig, context: ProposerContext |
         shipped = load_adapter(path, context.target.config) if path else None
         if shipped is not None and layers in (DEFAULT_LAYERS, shipped.config.exit_layer):
             adapter, layers = shipped, shipped.config.exit_layer
-    return LayerSkipProposer(context.target, layers, config.branches, config.last, adapter, config.full_vocab)
+    return LayerSkipProposer(context.target, layers, config.branches, config.last, adapter, config.full_vocab,
+                             config.stop_below)
