@@ -34,7 +34,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     loaded = load(dtype=torch.bfloat16)  # the default model, as the shipped adapter's target
     adapter = load_adapter(args.folder, loaded.config)
-    pairs, _, _ = splits(args.data, args.limit)
+    pairs, _, _ = splits(args.data, args.limit, model=loaded)
     adapter.vocab = draft_vocabulary(loaded, (answer for _, answer in pairs), args.size)
     old = json.loads((args.folder / CONFIG_FILE).read_text())["specdraft"]
     extra = {k: v for k, v in old.items() if k != "target"}
