@@ -8,6 +8,16 @@ import json
 from specdraft.errors import SpecdraftError
 
 
+def _data_options(p: argparse.ArgumentParser, held_out: bool) -> None:
+    """--data (one or several data folders) and, for training, --held-out."""
+    p.add_argument("--data", required=True, metavar="DIR[,DIR]",
+                   help="a folder written by `specdraft train data`, or several, comma-separated")
+    if held_out:
+        p.add_argument("--held-out", metavar="DIR[,DIR]", default=None,
+                       help="measure on these folders' validation answers instead of --data's (e.g. --data holds "
+                            "second answers only)")
+
+
 def add_train_commands(sub: argparse._SubParsersAction, add_model_options) -> None:  # type: ignore[no-untyped-def]
     train = sub.add_parser("train", help="make training data for drafters from the target's own outputs",
                            description="Drafters (EAGLE, Medusa, MTP heads) must predict this model, so their "
@@ -51,11 +61,7 @@ def add_train_commands(sub: argparse._SubParsersAction, add_model_options) -> No
                            description="Heads learn the target's own distribution k tokens ahead on the train split of "
                                        "a `specdraft train data` folder; the held-out tau per head is printed at the "
                                        "end. Rerun the same command to resume after an interrupt.")
-    m.add_argument("--data", required=True, metavar="DIR[,DIR]",
-                   help="a folder written by `specdraft train data`, or several, comma-separated")
-    m.add_argument("--held-out", metavar="DIR[,DIR]", default=None,
-                   help="measure on these folders' validation answers instead of --data's (e.g. --data holds "
-                        "second answers only)")
+    _data_options(m, held_out=True)
     m.add_argument("--out", required=True, metavar="DIR", help="output folder (checkpoint, then config.json + model.safetensors)")
     m.add_argument("--heads", type=int, default=3, help="K, tokens guessed past the bonus token (default: 3)")
     m.add_argument("--draft-vocab", type=int, default=4096, help="reduced vocabulary size (default: 4096)")
@@ -79,11 +85,7 @@ def add_train_commands(sub: argparse._SubParsersAction, add_model_options) -> No
                                            "EAGLE-3's training-time test (fed its own states for --steps steps). The "
                                            "held-out acceptance per draft position and tau are printed at the end. "
                                            "Rerun the same command to resume after an interrupt.")
-        e.add_argument("--data", required=True, metavar="DIR[,DIR]",
-                       help="a folder written by `specdraft train data`, or several, comma-separated")
-        e.add_argument("--held-out", metavar="DIR[,DIR]", default=None,
-                       help="measure on these folders' validation answers instead of --data's (e.g. --data holds "
-                            "second answers only)")
+        _data_options(e, held_out=True)
         e.add_argument("--out", required=True, metavar="DIR", help="output folder (checkpoint, then config.json + model.safetensors)")
         e.add_argument("--draft-vocab", type=int, default=4096, help="reduced vocabulary size (default: 4096)")
         e.add_argument("--steps", type=int, default=3, help="training-time test steps (default: 3)")
@@ -109,11 +111,7 @@ def add_train_commands(sub: argparse._SubParsersAction, add_model_options) -> No
                            description="One attention layer and a norm between the target's first L layers and its LM "
                                        "head learn the target's own next-token distribution, so that layer-skip "
                                        "drafts are accepted. Rerun the same command to resume after an interrupt.")
-    a.add_argument("--data", required=True, metavar="DIR[,DIR]",
-                   help="a folder written by `specdraft train data`, or several, comma-separated")
-    a.add_argument("--held-out", metavar="DIR[,DIR]", default=None,
-                   help="measure on these folders' validation answers instead of --data's (e.g. --data holds "
-                        "second answers only)")
+    _data_options(a, held_out=True)
     a.add_argument("--out", required=True, metavar="DIR", help="output folder (checkpoint, then config.json + model.safetensors)")
     a.add_argument("--exit-layer", type=int, default=4, help="L, the target layers that draft (default: 4)")
     a.add_argument("--draft-vocab", type=int, default=4096,
@@ -142,8 +140,7 @@ def add_train_commands(sub: argparse._SubParsersAction, add_model_options) -> No
                                        "folder (eagle, mtp, medusa, layer-skip; told apart by its config.json) on any "
                                        "data folder's validation answers: two heads compared on the same positions.")
     v.add_argument("head", help="a folder written by `specdraft train eagle|mtp|medusa|layer-skip` (or a shipped one)")
-    v.add_argument("--data", required=True, metavar="DIR[,DIR]",
-                   help="a folder written by `specdraft train data`, or several, comma-separated")
+    _data_options(v, held_out=False)
     v.add_argument("--steps", type=int, default=6, help="draft positions measured (default: 6)")
     v.add_argument("--limit", type=int, default=None, help="validation answers used (default: all)")
     v.add_argument("--sources", default="", help="only the answers to these prompt sets, comma-separated (e.g. alpaca-libre,oasst1), in both splits; default: all")
