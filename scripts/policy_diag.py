@@ -34,12 +34,12 @@ class Recorder:
         budgets, trim, observe = policy.budgets, policy.trim, policy.observe
 
         def rec_budgets(caps, batch, remaining=None, setup=None):
-            out = budgets(caps, batch, remaining, setup)
-            self.budgets[out[0]] += 1
-            return out
+            plan = budgets(caps, batch, remaining, setup)
+            self.budgets[plan.budgets[0]] += 1
+            return plan
 
-        def rec_trim(drafts, batch, live=None, remaining=None):
-            out = trim(drafts, batch, live, remaining)
+        def rec_trim(drafts, plan, live=None):
+            out = trim(drafts, plan, live)
             self.kept[len(out[0])] += 1
             return out
 

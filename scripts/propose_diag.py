@@ -29,19 +29,20 @@ from specdraft.model.loader import load  # noqa: E402
 def wiretap(engine: Any, log: list[dict[str, float]]) -> None:
     """Record each step's budgets, drafting and verification (the engine's calls, unchanged)."""
     proposer, cur = engine.proposer, {}
-    budgets, propose, verify = engine._budgets, engine._propose, engine._verify
+    plan_of, propose, verify = engine._plan, engine._propose, engine._verify
 
     def rec_budgets(batch, live):
         cur.clear()
         setup = getattr(proposer, "setup_seconds", None)
         seqs = [s if on else None for s, on in zip(batch.rows, live)]
         pending = setup(seqs) if setup else [0.0] * len(seqs)
-        out = budgets(batch, live)
+        plan = plan_of(batch, live)
+        out = plan.budgets
         rows = getattr(proposer, "rows", None)
         cur.update(live=sum(live), rows=sum(b > 0 for b in out), sumb=sum(out),
                    setup_est=sum(p for p, b in zip(pending, out) if b > 0),
                    backlog=sum(rows.backlog(r) for r, b in enumerate(out) if b > 0) if hasattr(rows, "backlog") else 0)
-        return out
+        return plan
 
     def rec_propose(batch, live, b):
         t0 = time.perf_counter()
@@ -58,7 +59,7 @@ def wiretap(engine: Any, log: list[dict[str, float]]) -> None:
             log.append(dict(cur))
         return out
 
-    engine._budgets, engine._propose, engine._verify = rec_budgets, rec_propose, rec_verify
+    engine._plan, engine._propose, engine._verify = rec_budgets, rec_propose, rec_verify
 
 
 def main() -> None:

@@ -114,11 +114,12 @@ def _replay(row: dict[str, Any], new_tokens: int, proposer: Any, policy: Policy,
     policy.begin(0)
     pos = 1
     while pos < end:
-        budget = policy.budgets([max(0, new_tokens - pos - 1)], 1)[0]
+        plan = policy.budgets([max(0, new_tokens - pos - 1)], 1)
+        budget = plan.budgets[0]
         raw = proposer.propose([seq], [budget], None)[0] if budget > 0 else Draft.empty()
         if len(raw):
             policy.observe_propose_time(max(raw.depths()), PROPOSE_S)
-        draft = policy.trim([raw], 1)[0]
+        draft = policy.trim([raw], plan)[0]
         path = accepted_path(draft, target[pos:])
         emitted = min(len(path) + 1, end - pos)
         policy.observe(0, draft, Acceptance(tuple(path), tuple(target[pos : pos + len(path) + 1])))

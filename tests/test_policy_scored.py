@@ -7,7 +7,7 @@ import pytest
 
 from specdraft.accept import Acceptance
 from specdraft.draft import Draft
-from specdraft.policy import CostModel, Policy, PolicyConfig
+from specdraft.policy import CostModel, Plan, Policy, PolicyConfig
 from specdraft.policy.cost import monotone
 from specdraft.policy.scored import Calibration, Outlook
 
@@ -24,6 +24,11 @@ def tree(conf_first: float = 0.8) -> Draft:
     c0 = conf_first
     conf = (c0, 0.1, c0 * 0.7, c0 * 0.1, 0.05, c0 * 0.7 * 0.6)
     return Draft((10, 11, 12, 13, 14, 15), parents, label="eagle", confidence=conf)
+
+
+def drafted(drafts: list[Draft]) -> Plan:
+    """A plan whose budgets are what each row drafted (a trim with no ``budgets`` call before it)."""
+    return Plan([len(d) for d in drafts], len(drafts))
 
 
 def accepted(path: tuple[int, ...]) -> Acceptance:
@@ -82,7 +87,7 @@ def test_outlook_is_monotone_and_scaled_by_the_rows_record() -> None:
 def _learn(policy: Policy, rows: int, draft: Draft, path: tuple[int, ...], steps: int) -> None:
     for _ in range(steps):
         for row in range(rows):
-            policy.trim([draft] * rows, rows) if row == 0 else None
+            policy.trim([draft] * rows, drafted([draft] * rows)) if row == 0 else None
             policy.observe(row, draft, accepted(path))
 
 
@@ -95,8 +100,9 @@ def test_a_tree_is_priced_by_its_expected_yield_not_by_per_node_acceptance() -> 
     policy = Policy(PolicyConfig(kind="adaptive", k=8), costs(1, per_node=0.02))
     policy.begin(0)
     _learn(policy, 1, wide, (0,), 30)
-    assert policy.budgets([8], 1)[0] >= 1
-    kept = policy.trim([wide], 1)[0]
+    plan = policy.budgets([8], 1)
+    assert plan.budgets[0] >= 1
+    kept = policy.trim([wide], plan)[0]
     assert 1 <= len(kept) < 8 and kept.tokens[0] == 0  # the sure node stays, the long shots go
 
 
@@ -106,10 +112,10 @@ def test_verification_cost_decides_how_many_nodes_are_kept() -> None:
     dear = Policy(PolicyConfig(kind="adaptive", k=8), costs(1, per_node=0.3))
     for p in (cheap, dear):
         p.begin(0)
-    n_cheap, n_dear = len(cheap.trim([d], 1)[0]), len(dear.trim([d], 1)[0])
+    n_cheap, n_dear = len(cheap.trim([d], drafted([d]))[0]), len(dear.trim([d], drafted([d]))[0])
     assert n_cheap == len(d) and 1 <= n_dear < n_cheap
     unsure = tree(0.05)
-    assert len(dear.trim([unsure], 1)[0]) == 0  # nothing worth a verification: plain step
+    assert len(dear.trim([unsure], drafted([unsure]))[0]) == 0  # nothing worth a verification: plain step
 
 
 def test_a_row_whose_confident_drafts_fail_stops_drafting_and_others_are_unaffected() -> None:
@@ -121,15 +127,17 @@ def test_a_row_whose_confident_drafts_fail_stops_drafting_and_others_are_unaffec
         p.begin(0)
         for budget in (2, 4, 6, 8):
             p.observe_propose_time(budget, 0.02 * budget)  # drafting costs: gated before it runs
-        p.trim([d], 1)
-        assert p.budgets([8], 1)[0] > 0
+        p.trim([d], drafted([d]))
+        assert p.budgets([8], 1).budgets[0] > 0
     for _ in range(40):
-        assert len(policy.trim([d], 1)[0]) > 0 or policy.outlooks[0].realism < 0.6
+        assert len(policy.trim([d], drafted([d]))[0]) > 0 or policy.outlooks[0].realism < 0.6
         policy.observe(0, d, accepted(()))
-        other.trim([d], 1)
+        other.trim([d], drafted([d]))
         other.observe(0, d, accepted((0, 2, 5)))
-    assert policy.budgets([8], 1) == [0] and len(policy.trim([d], 1)[0]) == 0
-    assert other.budgets([8], 1)[0] > 0 and len(other.trim([d], 1)[0]) >= 3
+    plan = policy.budgets([8], 1)
+    assert plan.budgets == [0] and len(policy.trim([d], plan)[0]) == 0
+    plan = other.budgets([8], 1)
+    assert plan.budgets[0] > 0 and len(other.trim([d], plan)[0]) >= 3
 
 
 def test_one_unlucky_first_draft_does_not_stop_a_proposer_that_pays_on_average() -> None:
@@ -144,19 +152,21 @@ def test_one_unlucky_first_draft_does_not_stop_a_proposer_that_pays_on_average()
         policies[-1].begin(0)
         for budget in (2, 4, 6, 8):
             policies[-1].observe_propose_time(budget, 0.03 * budget)  # a quarter of a step at k = 8
-        policies[-1].trim([unsure], 1)
+        policies[-1].trim([unsure], drafted([unsure]))
         policies[-1].observe(0, unsure, accepted(()))
     policy, without = policies
-    assert policy.budgets([8], 1)[0] > 0 and without.budgets([8], 1)[0] == 0  # (and never drafts again)
+    assert policy.budgets([8], 1).budgets[0] > 0 and without.budgets([8], 1).budgets[0] == 0  # (and never drafts again)
     good = tree(0.9)  # its drafts then yield about 2 tokens each: the row keeps drafting
     for _ in range(20):
-        assert policy.budgets([8], 1)[0] > 0
-        policy.trim([good], 1)
+        plan = policy.budgets([8], 1)
+        assert plan.budgets[0] > 0
+        policy.trim([good], plan)
         policy.observe(0, good, accepted((0, 2)))
     budgets = []
     for _ in range(60):  # ...until they stop paying for long enough
-        budgets.append(policy.budgets([8], 1)[0])
-        policy.trim([unsure], 1)
+        plan = policy.budgets([8], 1)
+        budgets.append(plan.budgets[0])
+        policy.trim([unsure], plan)
         policy.observe(0, unsure, accepted(()))
     assert budgets[0] > 0 and budgets[-10:] == [0] * 10
 
@@ -172,9 +182,9 @@ def test_the_whole_budget_is_asked_for_now_and_then() -> None:
         policy.observe_propose_time(budget, 0.02 * budget)  # a costly proposer: budgeted before it runs
     seen = []
     for _ in range(12):
-        b = policy.budgets([8], 1)[0]
-        seen.append(b)
-        policy.trim([d], 1)
+        plan = policy.budgets([8], 1)
+        seen.append(plan.budgets[0])
+        policy.trim([d], plan)
         policy.observe(0, d, accepted((0, 1)))
     assert 8 in seen[1:] and any(0 < b < 8 for b in seen)
 

@@ -24,7 +24,8 @@ from specdraft.engine import Engine
 from specdraft.errors import ModelFileError, SpecdraftError
 from specdraft.metrics import SpecStats
 from specdraft.model.loader import LoadedModel, default_model_path, load
-from specdraft.policy import PROBE_GAP_MAX, PROBE_SETUP_SHARE, CostModel, Policy, PolicyConfig, expected_tokens, progress
+from specdraft.policy import (PROBE_GAP_MAX, PROBE_SETUP_SHARE, CostModel, Plan, Policy, PolicyConfig, expected_tokens,
+                              progress)
 from specdraft.policy.evidence import REALISM_MAX, Realism
 from specdraft.proposers import make_proposer
 from specdraft.proposers.base import Proposer
@@ -538,8 +539,8 @@ def test_adaptive_picks_a_long_draft_when_extra_tokens_are_nearly_free() -> None
     policy.begin(0)
     _evidence(policy, 0, 10, accepted=8)
     assert policy.alpha(0) > 0.9
-    assert policy.budgets([8], 1) == [8]
-    assert policy.budgets([3], 1) == [3]  # capped by the row's room
+    assert policy.budgets([8], 1).budgets == [8]
+    assert policy.budgets([3], 1).budgets == [3]  # capped by the row's room
 
 
 def test_adaptive_turns_speculation_off_when_verification_is_expensive() -> None:
@@ -549,12 +550,12 @@ def test_adaptive_turns_speculation_off_when_verification_is_expensive() -> None
     for row in range(batch):
         policy.begin(row)
         _evidence(policy, row, 10, accepted=8)
-    assert policy.budgets([8] * batch, batch) == [0] * batch
+    assert policy.budgets([8] * batch, batch).budgets == [0] * batch
     # and a low acceptance turns it off even when extra tokens cost little
     cheap = Policy(gate_first, cost_table(1, per_token=0.3))
     cheap.begin(0)
     _evidence(cheap, 0, 20, accepted=0)
-    assert cheap.budgets([8], 1) == [0]
+    assert cheap.budgets([8], 1).budgets == [0]
 
 
 def test_a_cheap_proposer_drafts_first_and_is_gated_on_its_drafts() -> None:
@@ -569,24 +570,26 @@ def test_a_cheap_proposer_drafts_first_and_is_gated_on_its_drafts() -> None:
     draft = Draft.chain(range(8))
     kept = []
     for _ in range(3):
-        assert policy.budgets([8], 1) == [8]
-        kept.append(len(policy.trim([draft], 1)[0]))
+        plan = policy.budgets([8], 1)
+        assert plan.budgets == [8] and plan.mode == "look"
+        kept.append(len(policy.trim([draft], plan)[0]))
     assert kept == [0, 0, config.probe_k]
-    assert policy.trim([Draft.empty()], 1)[0] == Draft.empty()  # nothing drafted: nothing to gate
+    assert policy.trim([Draft.empty()], policy.budgets([8], 1))[0] == Draft.empty()  # nothing drafted: nothing to gate
     good = Policy(config, cost_table(1, per_token=0.001))
     good.begin(0)
     _evidence(good, 0, 30, accepted=8)
-    assert good.budgets([8], 1) == [8] and len(good.trim([draft], 1)[0]) == 8
+    plan = good.budgets([8], 1)
+    assert plan.budgets == [8] and len(good.trim([draft], plan)[0]) == 8
     dear = Policy(config, cost_table(1, per_token=0.3))  # drafting costs 10% of a target step
     dear.begin(0)
     _evidence(dear, 0, 30, accepted=0)
     for _ in range(4):
         dear.observe_propose_time(8, 0.1)
-    assert dear.budgets([8], 1) == [0]
+    assert dear.budgets([8], 1).budgets == [0]
     off = Policy(PolicyConfig(kind="adaptive", k=8, look_cost=0.0), cost_table(1, per_token=0.3))
     off.begin(0)
     _evidence(off, 0, 30, accepted=0)
-    assert off.budgets([8], 1) == [0]  # look_cost 0: always gated first
+    assert off.budgets([8], 1).budgets == [0]  # look_cost 0: always gated first
     with pytest.raises(SpecdraftError):
         PolicyConfig(look_cost=2.0)
 
@@ -606,8 +609,7 @@ def test_a_request_whose_drafts_keep_failing_stops_drafting_whatever_the_labels_
     missed, paid = Acceptance((), (1,)), Acceptance((0,), (0, 1))
 
     def step(outcome: Acceptance | None) -> int:
-        policy.budgets([8, 8], 2)
-        kept = policy.trim([good, good], 2)
+        kept = policy.trim([good, good], policy.budgets([8, 8], 2))
         assert len(kept[1]) == 8  # the other row is never held back
         if outcome is not None and len(kept[0]):
             policy.observe(0, kept[0], outcome)
@@ -626,7 +628,7 @@ def test_a_request_whose_drafts_keep_failing_stops_drafting_whatever_the_labels_
     fixed.begin(0)
     for _ in range(5):
         fixed.observe(0, good, missed)
-    assert fixed.budgets([8], 1) == [8] and not fixed.held(0)  # the fixed policy always drafts k
+    assert fixed.budgets([8], 1).budgets == [8] and not fixed.held(0)  # the fixed policy always drafts k
 
 
 def test_adaptive_alpha_follows_the_evidence() -> None:
@@ -654,11 +656,11 @@ def test_adaptive_probes_only_where_cheap() -> None:
     _evidence(cheap, 0, 50, accepted=0)
     probe = Draft.chain(range(config.probe_k))
     missed, paid = Acceptance((), (1,)), Acceptance((0,), (0, 1))
-    assert [cheap.budgets([8], 1)[0] for _ in range(4)] == [0, 0, 0, config.probe_k]
+    assert [cheap.budgets([8], 1).budgets[0] for _ in range(4)] == [0, 0, 0, config.probe_k]
     cheap.observe(0, probe, missed)  # found nothing: wait twice as long
-    assert [cheap.budgets([8], 1)[0] for _ in range(8)] == [0] * 7 + [config.probe_k]
+    assert [cheap.budgets([8], 1).budgets[0] for _ in range(8)] == [0] * 7 + [config.probe_k]
     cheap.observe(0, probe, missed)
-    assert [cheap.budgets([8], 1)[0] for _ in range(16)] == [0] * 15 + [config.probe_k]
+    assert [cheap.budgets([8], 1).budgets[0] for _ in range(16)] == [0] * 15 + [config.probe_k]
     cheap.observe(0, probe, paid)  # paid: back to the configured wait
     cheap.budgets([8], 1)
     assert cheap.probe_gap == config.probe_every
@@ -667,14 +669,14 @@ def test_adaptive_probes_only_where_cheap() -> None:
     _evidence(never, 0, 50, accepted=0)
     probes = []
     for step in range(600):
-        if never.budgets([8], 1)[0] > 0:
+        if never.budgets([8], 1).budgets[0] > 0:
             probes.append(step)
             never.observe(0, probe, missed)
     assert [b - a for a, b in zip(probes, probes[1:])][-3:] == [PROBE_GAP_MAX] * 3
     dear = Policy(config, cost_table(64, per_token=1.0))
     dear.begin(0)
     _evidence(dear, 0, 50, accepted=0)
-    assert [dear.budgets([8], 64)[0] for _ in range(8)] == [0] * 8
+    assert [dear.budgets([8], 64).budgets[0] for _ in range(8)] == [0] * 8
 
 
 def test_a_costly_proposer_probes_with_fewer_tokens_or_not_at_all() -> None:
@@ -688,39 +690,39 @@ def test_a_costly_proposer_probes_with_fewer_tokens_or_not_at_all() -> None:
         _evidence(policy, 0, 50, accepted=0)
         for depth in (2, 4, 6, 8):
             policy.observe_propose_time(depth, per_token * depth)  # seconds: a plain step costs 1
-        assert [policy.budgets([8], 1)[0] for _ in range(2)] == [0, probe]
+        assert [policy.budgets([8], 1).budgets[0] for _ in range(2)] == [0, probe]
 
 
 def test_a_proposers_setup_time_is_paid_only_where_it_is_repaid() -> None:
     config = PolicyConfig(kind="adaptive", k=8, look_cost=0.0, probe_every=4, prior=0.8, stop_after=10**6)
     policy = Policy(config, cost_table(1, per_token=0.02))  # drafting pays well at alpha 0.8
     policy.begin(0)
-    assert policy.budgets([8], 1, [64]) == [8]
-    assert policy.budgets([8], 1, [64], [5.0]) == [8]  # 5 s of setup, 64 s of plain decoding left
-    assert policy.budgets([8], 1, [64], [50.0]) == [0]  # more than it saves
-    assert policy.budgets([8], 1, [4], [5.0]) == [0]  # too little left to repay it
+    assert policy.budgets([8], 1, [64]).budgets == [8]
+    assert policy.budgets([8], 1, [64], [5.0]).budgets == [8]  # 5 s of setup, 64 s of plain decoding left
+    assert policy.budgets([8], 1, [64], [50.0]).budgets == [0]  # more than it saves
+    assert policy.budgets([8], 1, [4], [5.0]).budgets == [0]  # too little left to repay it
     low = Policy(config, cost_table(1, per_token=0.1))  # a method that is never accepted
     low.begin(0)
     _evidence(low, 0, 50, accepted=0)
-    assert [low.budgets([8], 1, [64], [0.1])[0] for _ in range(4)] == [0, 0, 0, config.probe_k]  # cheap probe
+    assert [low.budgets([8], 1, [64], [0.1]).budgets[0] for _ in range(4)] == [0, 0, 0, config.probe_k]  # cheap probe
     low.observe(0, Draft.chain(range(config.probe_k)), Acceptance((), (1,)))
     # a setup is paid once it is at most PROBE_SETUP_SHARE of the plain steps since the last
     # probe: 1.0 s (a plain step costs 1 s) waits 50 steps, not the 8 between probes
-    assert [low.budgets([8], 1, [64], [1.0])[0] for _ in range(40)] == [0] * 40
+    assert [low.budgets([8], 1, [64], [1.0]).budgets[0] for _ in range(40)] == [0] * 40
     assert PROBE_SETUP_SHARE * 40 < 1.0 <= PROBE_SETUP_SHARE * 52
-    assert config.probe_k in [low.budgets([8], 1, [64], [1.0])[0] for _ in range(12)]
+    assert config.probe_k in [low.budgets([8], 1, [64], [1.0]).budgets[0] for _ in range(12)]
     # rows catch up together: their setups add up (two rows of 0.7 s: 1.4 s, paid after 70 steps)
     two = Policy(config, cost_table(2, per_token=0.1))
     for row in (0, 1):
         two.begin(row)
         _evidence(two, row, 50, accepted=0)
-    got = [two.budgets([8, 8], 2, [64, 64], [0.7, 0.7]) for _ in range(75)]
+    got = [two.budgets([8, 8], 2, [64, 64], [0.7, 0.7]).budgets for _ in range(75)]
     assert got[:69] == [[0, 0]] * 69 and [config.probe_k] * 2 in got[69:]
 
 
 def test_fixed_policy_returns_k_capped() -> None:
     policy = Policy(PolicyConfig(kind="fixed", k=4))
-    assert policy.budgets([0, 2, 4, 9], 4) == [0, 2, 4, 4]
+    assert policy.budgets([0, 2, 4, 9], 4).budgets == [0, 2, 4, 4]
 
 
 def test_expected_tokens() -> None:
@@ -994,11 +996,11 @@ def test_policy_trims_drafts_whose_label_rarely_pays() -> None:
     assert policy.label_alpha("n2") < 0.1 and policy.label_alpha("n4") > 0.9
     cut_weak, cut_strong = policy.trim_labels([weak, strong], 1)
     assert len(cut_weak) == 0 and cut_strong == strong
-    assert policy.trim([weak, strong], 1) == [cut_weak, cut_strong]  # the batch cut keeps what pays
+    assert policy.trim([weak, strong], Plan([8, 8], 1)) == [cut_weak, cut_strong]  # the batch cut keeps what pays
     assert policy.label_alpha("n9") is None
     fixed = Policy(PolicyConfig(kind="fixed", k=8))
     fixed.observe(0, weak, Acceptance((), (1,)))
-    assert fixed.trim([weak], 1) == [weak]  # the fixed policy drafts what it is given
+    assert fixed.trim([weak], Plan([8], 1)) == [weak]  # the fixed policy drafts what it is given
 
 
 def test_policy_cuts_a_batch_where_few_rows_found_a_draft() -> None:
@@ -1014,15 +1016,15 @@ def test_policy_cuts_a_batch_where_few_rows_found_a_draft() -> None:
     assert 0.75 < policy.alpha(0) < 0.85
     lone = [Draft.chain(range(8))] + [Draft.empty()] * (batch - 1)
     assert policy.batch_depth(lone, batch) == 0
-    assert all(len(d) == 0 for d in policy.trim(lone, batch))
+    plan = Plan([8] * batch, batch)
+    assert all(len(d) == 0 for d in policy.trim(lone, plan))
     full = [Draft.chain(range(8))] * batch
     depth = policy.batch_depth(full, batch)
-    assert depth >= 3 and policy.trim(full, batch) == [d.up_to_depth(depth) for d in full]
+    assert depth >= 3 and policy.trim(full, plan) == [d.up_to_depth(depth) for d in full]
     # rows that are finished do not count: the one live row with a draft is the whole batch
     assert policy.batch_depth(lone, batch, live=[True] + [False] * (batch - 1)) >= 3
-    policy.probing = True
-    assert policy.trim(lone, batch) == lone
-    assert Policy(PolicyConfig(kind="fixed", k=8)).trim(lone, batch) == lone
+    assert policy.trim(lone, Plan([8] * batch, batch, "probe")) == lone
+    assert Policy(PolicyConfig(kind="fixed", k=8)).trim(lone, plan) == lone
 
 
 def test_speculation_must_beat_plain_by_the_margin() -> None:
@@ -1066,7 +1068,7 @@ def test_drafts_that_yield_less_than_expected_are_expected_less() -> None:
     drafts = [Draft.chain([5])] * batch  # one token each: expected 1.95 tokens for 1.5 the cost
     assert policy.realism.factor == 1.0 and policy.batch_depth(drafts, batch) == 1
     for _ in range(30):  # kept drafts, of which only every other row's token is accepted
-        kept = policy.trim(drafts, batch)
+        kept = policy.trim(drafts, Plan([1] * batch, batch))
         assert set(policy.expected_extra) == {row for row, d in enumerate(kept) if len(d)}
         for row, d in enumerate(kept):
             if len(d):
@@ -1094,11 +1096,12 @@ def test_a_probe_pays_only_if_its_accepted_tokens_repay_its_wider_forward() -> N
     def probe(accepting_rows: int) -> int:
         """Step until the next probe, verify it with that many rows accepting; the gap after."""
         for _ in range(PROBE_GAP_MAX + 1):
-            if policy.budgets([1] * batch, batch)[0] > 0:
+            plan = policy.budgets([1] * batch, batch)
+            if plan.budgets[0] > 0:
                 break
-            policy.trim([Draft.empty()] * batch, batch)
-        assert policy.probing
-        kept = policy.trim([Draft.chain([7])] * batch, batch)
+            policy.trim([Draft.empty()] * batch, plan)
+        assert plan.mode == "probe"
+        kept = policy.trim([Draft.chain([7])] * batch, plan)
         for row in range(batch):
             ok = row < accepting_rows
             policy.observe(row, kept[row], Acceptance((0,) if ok else (), (7, 1) if ok else (1,)))
@@ -1137,11 +1140,11 @@ def test_static_batch_policy_follows_its_slowest_row() -> None:
     # a finished row is not the slowest one
     live = [False] + [True] * (batch - 1)
     assert policy.batch_depth(drafts, batch, live, remaining=[0] + [40] * (batch - 1)) >= 3
-    assert policy.trim(drafts, batch, [True] * batch, [40] * batch) == [Draft.empty()] * batch
+    assert policy.trim(drafts, Plan([8] * batch, batch, remaining=[40] * batch), [True] * batch) == [Draft.empty()] * batch
     throughput = Policy(PolicyConfig(kind="adaptive", k=8, objective="throughput"), cost)
     throughput.evidence, throughput.by_label = policy.evidence, policy.by_label
-    assert throughput.budgets(caps, batch, [40] * batch)[1] >= 3  # remaining counts ignored
-    assert throughput.trim(drafts, batch, [True] * batch, [40] * batch)[1] == drafts[1].up_to_depth(
+    assert throughput.budgets(caps, batch, [40] * batch).budgets[1] >= 3  # remaining counts ignored
+    assert throughput.trim(drafts, Plan([8] * batch, batch, remaining=[40] * batch), [True] * batch)[1] == drafts[1].up_to_depth(
         throughput.batch_depth(drafts, batch))
 
 
@@ -1152,18 +1155,18 @@ def test_new_requests_start_from_the_pooled_alpha_of_earlier_ones() -> None:
     cost = cost_table(1, per_token=0.3)
     policy = Policy(PolicyConfig(kind="adaptive", k=8, look_cost=0.0, prior=0.5, probe_every=100), cost)
     policy.begin(0)
-    assert policy.alpha(0) == 0.5 and policy.budgets([8], 1)[0] > 0
+    assert policy.alpha(0) == 0.5 and policy.budgets([8], 1).budgets[0] > 0
     for _ in range(12):
         policy.observe(0, Draft.chain(range(4)), Acceptance((), (1,)))
     policy.end(0)
     policy.begin(1)
     assert policy.alpha(1) == pytest.approx(policy.pooled_alpha()) and policy.alpha(1) < 0.1
-    assert policy.budgets([0, 8], 1) == [0, 0]
+    assert policy.budgets([0, 8], 1).budgets == [0, 0]
     for _ in range(40):
         policy.observe(1, Draft.chain(range(4)), Acceptance(tuple(range(4)), tuple(range(5))))
     policy.end(1)
     policy.begin(2)
-    assert policy.alpha(2) > 0.75 and policy.budgets([0, 0, 8], 1)[2] >= 4
+    assert policy.alpha(2) > 0.75 and policy.budgets([0, 0, 8], 1).budgets[2] >= 4
     assert Policy(PolicyConfig(kind="adaptive", k=8, prior=0.3), cost).pooled_alpha() == 0.3
 
 

@@ -22,7 +22,7 @@ from specdraft.metrics import SpecStats
 from specdraft.model.kv_cache import KVCache
 from specdraft.model.tokenizer import Tokenizer
 from specdraft.model.transformer import ModelOutput, Transformer
-from specdraft.policy import Policy, PolicyConfig
+from specdraft.policy import Plan, Policy, PolicyConfig
 from specdraft.proposers.base import Features, NoDraft, Proposer, Verified, feature_request
 from specdraft.sampling import GREEDY, Sampling, make_generator, next_tokens
 from specdraft.sequence import GenerationConfig, Sequence
@@ -282,9 +282,9 @@ class Engine:
         cache, seqs = batch.cache, batch.rows
         live = [batch.live(r) for r in range(len(seqs))]
         t0 = time.perf_counter()
-        budgets = self._budgets(batch, live)
+        plan = self._plan(batch, live)
         tp = time.perf_counter()
-        drafts = self._propose(batch, live, budgets)
+        drafts = self._propose(batch, live, plan)
         t1 = time.perf_counter()
         before = list(cache.lengths)
         out = self._verify(drafts, batch.last, cache)
@@ -319,12 +319,12 @@ class Engine:
         stats.other_s += (tp - t0) + (t3 - t2)
         return events
 
-    def _budgets(self, batch: Batch, live: list[bool]) -> list[int]:
-        """How many draft tokens each row may have this step (the policy's choice, capped by
-        the row's remaining tokens and the cache's room)."""
+    def _plan(self, batch: Batch, live: list[bool]) -> Plan:
+        """The policy's plan for this step: how many draft tokens each row may have (capped by
+        the row's remaining tokens and the cache's room), and what trimming the drafts means."""
         seqs, cache = batch.rows, batch.cache
         if not self.speculative:
-            return [0] * len(seqs)
+            return Plan.none(len(seqs))
         running = [n for n, on in zip(cache.lengths, live) if on]
         free = cache.capacity - 1 - max(running, default=0)  # positions left after the root token
         caps = [max(0, min(s.room - 1, free)) if on and s is not None else 0 for s, on in zip(seqs, live)]
@@ -333,10 +333,11 @@ class Engine:
         pending = setup([s if on else None for s, on in zip(seqs, live)]) if setup is not None and adaptive else None
         return self.policy.budgets(caps, len(seqs), remaining(batch, live), pending)
 
-    def _propose(self, batch: Batch, live: list[bool], budgets: list[int]) -> list[Draft]:
+    def _propose(self, batch: Batch, live: list[bool], plan: Plan) -> list[Draft]:
         seqs, cache = batch.rows, batch.cache
         if not self.speculative:
             return [Draft.empty() for _ in seqs]
+        budgets = plan.budgets
         active = [s if b > 0 and on else None for s, b, on in zip(seqs, budgets, live)]
         lengths = list(cache.lengths)
         t0 = time.perf_counter()
@@ -347,7 +348,7 @@ class Engine:
             self.policy.observe_propose_time(asked, max(spent, 0.0), len(seqs))
         if cache.lengths != lengths:
             raise RuntimeError(f"proposer {self.proposer.name} changed the target cache's lengths")
-        drafts = self.policy.trim(drafts, len(seqs), live, remaining(batch, live))
+        drafts = self.policy.trim(drafts, plan, live)
         for d, b in zip(drafts, budgets):
             if len(d) > max(b, 0):
                 raise RuntimeError(f"proposer {self.proposer.name} drafted {len(d)} tokens over a budget of {b}")

@@ -84,6 +84,7 @@ from specdraft.policy.config import PolicyConfig
 from specdraft.policy.cost import CostModel, ProposeCost
 from specdraft.policy.evidence import (LABEL_DECAY, PROBE_GAP_MAX, Evidence, Hold, Realism, decay_add,
                                        expected_tokens, progress)
+from specdraft.policy.plan import Plan, Probe
 from specdraft.policy.scored import Calibration, Outlook
 from specdraft.proposers.base import move_key
 
@@ -102,11 +103,8 @@ class Policy:
         self.pooled = Evidence()  # across requests: every outcome (the prior of new requests)
         self.holds: dict[int, Hold] = {}  # per row: its failure streak and how long it waits
         self.idle_steps = 0  # consecutive steps the adaptive policy chose not to speculate
-        self.probing = False  # the last budgets() call was a probe
+        self.probe: Probe | None = None  # the last step's probe, until the next budgets() settles it
         self.probe_gap = config.probe_every  # idle steps before the next probe
-        self.probe_gain = 0.0  # tokens the current probe's drafts had accepted
-        self.probe_needs = 0.0  # ...that it needed to match plain decoding's rate (set by trim())
-        self.looking = False  # this step drafts first and is gated in trim() (cheap proposer)
         self.propose_costs: dict[int, ProposeCost] = {}  # per batch size: the proposer's time against its budget
         self.propose_warm = False  # the proposer's first drafting step (one-time costs, not counted) is past
         self.calibration: dict[str, Calibration] = {}  # draft label -> its confidences against outcomes
@@ -115,13 +113,11 @@ class Policy:
         self.since_full = 0  # drafting steps since the last one with the whole budget k (scored drafts)
         self.realism = Realism()  # unscored drafts: the extra tokens expected against those accepted
         self.expected_extra: dict[int, float] = {}  # row -> what its kept draft was expected to add (this step)
-        self.asked: dict[int, int] = {}  # row -> the budget budgets() last gave it (scored drafts' outlook)
 
     # what the policy has learned (per row and across requests), without the cost model
-    _MEMORY = ("evidence", "by_label", "pooled", "holds", "idle_steps", "probing", "probe_gap", "probe_gain",
-               "probe_needs",
-               "looking", "propose_costs", "propose_warm", "calibration", "outlooks", "pooled_outlook",
-               "since_full", "realism", "expected_extra", "asked")
+    _MEMORY = ("evidence", "by_label", "pooled", "holds", "idle_steps", "probe", "probe_gap",
+               "propose_costs", "propose_warm", "calibration", "outlooks", "pooled_outlook",
+               "since_full", "realism", "expected_extra")
 
     def snapshot(self) -> dict[str, object]:
         """A copy of what the policy has learned, for ``restore``: a benchmark's repeats each
@@ -154,11 +150,10 @@ class Policy:
         self.evidence.pop(row, None)
         self.holds.pop(row, None)
         self.outlooks.pop(row, None)
-        self.asked.pop(row, None)
 
     def move(self, src: int, dst: int) -> None:
         """The row's request moved to row ``dst`` (the scheduler packs its slots)."""
-        for table in (self.evidence, self.holds, self.outlooks, self.expected_extra, self.asked):
+        for table in (self.evidence, self.holds, self.outlooks, self.expected_extra):
             move_key(table, src, dst)
 
     def held(self, row: int) -> bool:
@@ -171,23 +166,22 @@ class Policy:
         return self.evidence.get(row, Evidence()).alpha(self.config.prior)
 
     def budgets(self, caps: Seq[int], batch: int, remaining: Seq[int] | None = None,
-                setup: Seq[float] | None = None) -> list[int]:
-        """Draft length per row. caps[row]: the most that row may draft (0 = idle/finished).
-        batch: rows in the target forward (its cost depends on it). remaining[row]: tokens the
-        row may still emit, for a static batch (see the module doc); None = throughput.
-        setup[row]: seconds the proposer must spend before it can draft for the row (None =
-        none; see the module doc)."""
+                setup: Seq[float] | None = None) -> Plan:
+        """This step's plan (``Plan``): the draft length per row, and what ``trim`` is to do with
+        the drafts. caps[row]: the most that row may draft (0 = idle/finished). batch: rows in
+        the target forward (its cost depends on it). remaining[row]: tokens the row may still
+        emit, for a static batch (see the module doc); None = throughput. setup[row]: seconds the
+        proposer must spend before it can draft for the row (None = none; see the module doc)."""
         k = self.config.k
         if self.config.kind == "fixed":
-            return [min(k, c) for c in caps]
+            return Plan([min(k, c) for c in caps], batch, "fixed", remaining)
         self._settle_probe()
         for hold in self.holds.values():
             hold.wait = max(0, hold.wait - 1)
         caps = [0 if self.held(row) else c for row, c in enumerate(caps)]
         paying = sum(t for t, c in zip(setup or (), caps) if c > 0)  # rows catch up together
-        self.looking = paying == 0 and self._cheap_to_look(batch)
-        if self.looking:  # drafting is nearly free: see the drafts first, decide in trim()
-            return [min(k, c) for c in caps]
+        if paying == 0 and self._cheap_to_look(batch):  # drafting is nearly free: see the drafts first
+            return Plan([min(k, c) for c in caps], batch, "look", remaining)
         if self.pooled_outlook.known:  # the proposer scores its nodes: budget by their expected yield
             best = self.scored_length(caps, batch, self._remaining(remaining))
             self.since_full = 0 if best == k else self.since_full + (best > 0)
@@ -197,10 +191,10 @@ class Policy:
             best = self.best_length(caps, batch, self._remaining(remaining))
         if best > 0 and paying > 0 and not self._repays(best, paying, caps, batch, remaining):
             best = 0
-        best = self._gate(best, batch, paying)
-        out = [min(best, c) for c in caps]
-        self.asked = dict(enumerate(out))
-        return out
+        best, probe = self._gate(best, batch, paying)
+        if probe:  # its outcome is settled at the next step (trim() adds what it must gain)
+            self.probe = Probe()
+        return Plan([min(best, c) for c in caps], batch, "probe" if probe else "draft", remaining)
 
     def _repays(self, k: int, setup: float, caps: Seq[int], batch: int, remaining: Seq[int] | None) -> bool:
         """Whether drafting k tokens per step for the rest of the batch, after ``setup``
@@ -216,25 +210,22 @@ class Policy:
 
     def _settle_probe(self) -> None:
         """After a probe step: the next probe comes sooner if it paid, later if not."""
-        if self.probing:
-            paid = self.probe_gain > 0 and self.probe_gain >= self.probe_needs
-            self.probe_gap = self.config.probe_every if paid else min(2 * self.probe_gap, PROBE_GAP_MAX)
-            self.probing = False
-            self.probe_gain = self.probe_needs = 0.0
+        if self.probe is not None:
+            self.probe_gap = self.config.probe_every if self.probe.paid else min(2 * self.probe_gap, PROBE_GAP_MAX)
+            self.probe = None
 
-    def _gate(self, best: int, batch: int, setup: float = 0.0) -> int:
-        """``best`` (the chosen draft length) or, after ``probe_gap`` idle steps in a row, a
-        cheap probe of ``probe_k`` tokens (then ``probing`` is set); ``setup``: seconds the
+    def _gate(self, best: int, batch: int, setup: float = 0.0) -> tuple[int, bool]:
+        """(``best``, False) for a chosen draft length, or after ``probe_gap`` idle steps in a
+        row a cheap probe of up to ``probe_k`` tokens (length, True); ``setup``: seconds the
         proposer would spend first (see ``_probe_length``)."""
         if best > 0:
             self.idle_steps = 0
-            return best
+            return best, False
         self.idle_steps += 1
         length = self._probe_length(batch, setup) if self.idle_steps >= self.probe_gap else 0
         if length:
             self.idle_steps = 0
-            self.probing = True  # this step's drafts are for evidence: trim() keeps them
-        return length
+        return length, length > 0
 
     def _cheap_to_look(self, batch: int) -> bool:
         """Whether drafting the full k costs at most ``look_cost`` of one plain target step, so
@@ -315,8 +306,8 @@ class Policy:
         scored = draft.confidence is not None
         if self.config.kind == "adaptive" and not scored:  # (the fixed policy always drafts k)
             self.holds[row].observe(acceptance.accepted, self.config.stop_after, self.config.probe_every)
-        if self.probing:
-            self.probe_gain += acceptance.accepted
+        if self.probe is not None:
+            self.probe.gain += acceptance.accepted
         if row in self.expected_extra:  # a draft whose yield trim() expected
             self.realism.observe(self.expected_extra.pop(row), acceptance.accepted)
         if draft.label:
@@ -335,30 +326,32 @@ class Policy:
             return None
         return e.alpha(self.config.prior)
 
-    def trim(self, drafts: list[Draft], batch: int, live: Seq[bool] | None = None,
-             remaining: Seq[int] | None = None) -> list[Draft]:
-        """Adaptive only: cut each labelled draft to the depth its label's alpha pays for, then
+    def trim(self, drafts: list[Draft], plan: Plan, live: Seq[bool] | None = None) -> list[Draft]:
+        """The drafts this step verifies, from the proposer's drafts for ``plan`` (what
+        ``budgets`` chose): each labelled draft cut to the depth its label's alpha pays for, then
         every draft to the one depth that pays for the whole batch (``batch_depth``; not on a
-        probe step). live[row]: the row is generating (default: every row); remaining: as for
-        ``budgets``."""
-        if self.config.kind != "adaptive":
+        probe step; on a look step this is the gate). live[row]: the row is generating (default:
+        every row). The fixed policy keeps the drafts as they are."""
+        if plan.mode == "fixed" or self.config.kind != "adaptive":
             return drafts
+        batch, remaining = plan.batch, self._remaining(plan.remaining)
         out = [Draft.empty() if self.held(row) else d for row, d in enumerate(self.trim_labels(drafts, batch))]
         scored = any(d.confidence is not None and len(d) for d in out)
         if scored:
-            gains = self._expect(out)
-        if self.probing:
-            self.probe_needs = self._probe_needs(out, batch, live)
+            gains = self._expect(out, plan.budgets)
+        if plan.mode == "probe":
+            self.probe = Probe(needs=self._probe_needs(out, batch, live))  # (observe() adds its gain)
             return out
         if scored:
-            size = self.batch_size_scored(out, gains, batch, live, self._remaining(remaining))
+            size = self.batch_size_scored(out, gains, batch, live, remaining)
         else:
-            size = self.batch_depth(out, batch, live, self._remaining(remaining))
-        if self.looking and any(len(d) for d in out):  # the budget was not gated: gate here
-            size = self._gate(size, batch)
+            size = self.batch_depth(out, batch, live, remaining)
+        probe = False
+        if plan.mode == "look" and any(len(d) for d in out):  # the budget was not gated: gate here
+            size, probe = self._gate(size, batch)
         kept = [d.top(size) if d.confidence is not None else d.up_to_depth(size) for d in out]
-        if self.probing:  # the gate just chose a probe (a cheap proposer's)
-            self.probe_needs = self._probe_needs(kept, batch, live)
+        if probe:  # the gate chose a probe (a cheap proposer's): its drafts are for evidence
+            self.probe = Probe(needs=self._probe_needs(kept, batch, live))
         elif not scored:
             on = [True] * len(kept) if live is None else live
             self.realism.decay(LABEL_DECAY)
@@ -378,9 +371,10 @@ class Policy:
         ratio = self.cost.latency(batch, 1 + width, q_max) / self.cost.latency(batch, 1, q_max)
         return rows * (ratio - 1.0)
 
-    def _expect(self, drafts: Seq[Draft]) -> list[list[float]]:
+    def _expect(self, drafts: Seq[Draft], asked: Seq[int]) -> list[list[float]]:
         """Each draft's calibrated expected yield per number of nodes kept (``scored``), scaled
-        by its row's record; the unscaled yields are added to the row's outlook and the pooled one."""
+        by its row's record; the unscaled yields are added to the row's outlook and the pooled one.
+        asked[row]: the budget the row's draft was asked for."""
         out = []
         for row, d in enumerate(drafts):
             if d.confidence is None or not len(d):
@@ -392,7 +386,7 @@ class Policy:
             if not self.outlooks.get(row, Outlook()).known:
                 self.outlooks[row] = self.pooled_outlook.restart(self._restart_weight)
             gains = self.calibration.get(d.label, Calibration()).gains(d)
-            gains += gains[-1:] * (self.asked.get(row, 0) - len(d))  # asked for more: that was all it had
+            gains += gains[-1:] * (asked[row] - len(d) if row < len(asked) else 0)  # asked for more: that was all it had
             outlook = self.outlooks[row]
             outlook.add(gains, self.config.decay)
             self.pooled_outlook.add(gains, LABEL_DECAY)
