@@ -70,7 +70,7 @@ def tiny_long(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tiny_long: Path) -> Iterator[Server]:
-    s = Server(tiny_long, "--method", "ngram", "--batch-invariant", "--max-batch", "8", "--max-queue", "128",
+    s = Server(tiny_long, "--method", "ngram", "--batch-invariant", "--max-batch", "64", "--max-queue", "128",
                "--context", "4096", "--allow-reset")
     yield s
     assert s.stop() == 0
@@ -89,9 +89,11 @@ def reference(tiny_long: Path):
     return generate
 
 
-def complete(client, prompt: str, max_tokens: int, stream: bool = False, **kw) -> tuple[str, str]:
-    """(text, finish_reason) of one completion, streamed or not."""
-    extra = {"ignore_eos": True}
+def complete(client, prompt: str, max_tokens: int, stream: bool = False, body: dict | None = None,
+             **kw) -> tuple[str, str]:
+    """(text, finish_reason) of one completion, streamed or not; ``body``: fields the client does
+    not know (extensions such as ``top_k``), with ``ignore_eos`` set."""
+    extra = {"ignore_eos": True, **(body or {})}
     if not stream:
         r = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=max_tokens, extra_body=extra, **kw)
         return r.choices[0].text, r.choices[0].finish_reason
@@ -147,15 +149,40 @@ def test_greedy_output_is_generates_while_other_requests_run(server: Server, ref
     assert all(text == expected for text, _ in results)
 
 
+def _wide_steps(m: dict[str, float], rows: int) -> float:
+    """Decode steps so far that computed more than ``rows`` rows (the batch-size histogram)."""
+    return m["specdraft_batch_size_count"] - m[f'specdraft_batch_size_bucket{{le="{float(rows)}"}}']
+
+
 def test_64_concurrent_requests_complete_intact(server: Server, reference):
+    """64 requests at once, streamed and not, of different lengths, decoded together in one batch
+    of up to 64 rows (the server's --max-batch): each text is what generate gives its prompt."""
     client = server.client()
-    jobs = [(PROMPTS[i % len(PROMPTS)], 8 + i % 13, i % 2 == 0) for i in range(64)]
+    before = server.metrics()
+    jobs = [(PROMPTS[i % len(PROMPTS)], 24 + i % 13, i % 2 == 0) for i in range(64)]
     with ThreadPoolExecutor(64) as pool:
         futures = [pool.submit(complete, client, p, n, stream, temperature=0) for p, n, stream in jobs]
         results = [f.result(timeout=300) for f in futures]
     for (prompt, n, _), (text, finish) in zip(jobs, results):
         assert finish == "length"
         assert text == reference(prompt, n)  # no token lost, repeated or taken from another stream
+    assert _wide_steps(server.metrics(), 32) > _wide_steps(before, 32)  # they did run side by side
+
+
+def test_stop_strings_and_top_k_through_the_server(server: Server, reference):
+    """``stop`` ends the text before the stop string's first occurrence (finish_reason "stop"),
+    streamed and not; ``top_k`` = 1 at temperature 1 samples the argmax, so it gives greedy's
+    text whatever the seed."""
+    client = server.client()
+    full = reference(PROMPTS[4], 48)
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    cut = full[: full.index(stop)]
+    for stream in (False, True):
+        assert complete(client, PROMPTS[4], 48, stream=stream, temperature=0, stop=[stop]) == (cut, "stop")
+    for seed in (1, 2):
+        assert complete(client, PROMPTS[4], 48, temperature=1.0, body={"top_k": 1}, seed=seed) == (full, "length")
+    sampled = {complete(client, PROMPTS[4], 48, temperature=1.0, seed=seed)[0] for seed in (1, 2)}
+    assert sampled != {full}  # without top_k, temperature 1 does sample
 
 
 @pytest.mark.parametrize("body, param", [
@@ -233,6 +260,26 @@ def test_a_client_that_disconnects_frees_its_row(server: Server):
     time.sleep(0.5)
     assert server.metrics()["specdraft_decode_steps_total"] == steps  # no step computes it any more
     assert after["specdraft_last_step_rows"] == 0
+
+
+def test_a_non_streamed_client_that_disconnects_frees_its_row(server: Server):
+    """A client waiting for a whole (non-streamed) answer goes away: the server notices while it
+    polls (``DISCONNECT_POLL_S``), cancels the request and frees its row, long before its tokens."""
+    assert wait_for(lambda: server.metrics()["specdraft_running_requests"] == 0)
+    before = server.metrics()
+    body = json.dumps({"model": MODEL_ID, "prompt": PROMPTS[5], "max_tokens": 3900, "ignore_eos": True,
+                       "temperature": 0}).encode()
+    with socket.create_connection((HOST, server.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        assert wait_for(lambda: server.metrics()["specdraft_running_requests"] == 1)
+    assert wait_for(lambda: server.metrics()["specdraft_running_requests"] == 0)
+    after = server.metrics()
+    key = 'specdraft_requests_total{endpoint="completions",outcome="cancelled"}'
+    assert after[key] == before.get(key, 0) + 1
+    emitted = lambda m: sum(v for k, v in m.items() if k.startswith("specdraft_generation_tokens_total"))  # noqa: E731
+    generated = emitted(after) - emitted(before)
+    assert 0 < generated < 3900
 
 
 def test_an_overloaded_server_answers_503(tiny_long: Path):
@@ -341,3 +388,28 @@ def test_bench_serve_interleaves_its_servers_and_pools_rounds(tiny_long: Path, t
     assert (tmp_path / "bs" / "report.md").exists()
     with pytest.raises(Exception, match="rounds"):
         ServeBenchConfig(rounds=0)
+
+
+def test_bench_serve_open_loop_sends_at_a_rate_whatever_the_servers_pace(tiny_long: Path, tmp_path: Path):
+    """``--rate``: requests arrive at seeded Poisson times, not when the last one ended. At 1,000
+    requests a second the six requests are all sent within milliseconds, so several are in
+    flight at once (a closed loop at concurrency 1 never has more than one); the report's rows
+    are per rate, against plain's at the same rate."""
+    from specdraft.bench.serve import ServeBenchConfig, arrivals, run_serve_bench
+
+    times = arrivals(4.0, 4000, seed=3)
+    assert times == sorted(times) and times[0] == 0.0 and times == arrivals(4.0, 4000, seed=3)
+    assert abs(times[-1] / 3999 - 0.25) < 0.02  # mean gap 1 / rate
+    assert arrivals(4.0, 50, seed=4) != times[:50]
+    cfg = ServeBenchConfig(methods=("plain", "ngram"), workloads=("code",), rates=(1000.0,), requests=6, max_tokens=8,
+                           model=str(tiny_long), threads=1, context=1024, out=str(tmp_path / "open"))
+    results = run_serve_bench(cfg, log=lambda m: None)
+    cells = results["cells"]
+    assert [(c["engine"], c["rate"]) for c in cells] == [("specdraft:plain", 1000.0), ("specdraft:ngram", 1000.0)]
+    for c in cells:
+        assert c["requests"] == 6 and c["errors"] == 0 and c["tokens"] > 0
+        assert c["concurrency"] >= 2  # the most requests in flight at once
+    report = (tmp_path / "open" / "report.md").read_text()
+    assert "rate/s" in report and "open loop" in report and "1.00x" in report  # plain against itself
+    with pytest.raises(Exception, match="rates"):
+        ServeBenchConfig(rates=(0.0,))

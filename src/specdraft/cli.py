@@ -221,8 +221,13 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
                          "'plain,suffix,mtp:topk=4' (default: plain,suffix; include plain for speedups)")
     bs.add_argument("--workloads", default="chat,code", help="comma-separated workloads (default: chat,code)")
     bs.add_argument("--concurrency", default="1,4,16,64", help="comma-separated concurrencies (default: 1,4,16,64)")
+    bs.add_argument("--rate", default=None, metavar="R1,R2",
+                    help="open loop instead: requests arrive at these rates per second (Poisson, seeded), whatever "
+                         "the server's pace (the servers' --max-batch: --max-batch, else the largest --concurrency)")
+    bs.add_argument("--max-batch", type=int, default=None,
+                    help="the servers' --max-batch (default: the largest --concurrency)")
     bs.add_argument("--requests", type=int, default=None,
-                    help="requests per cell (default: max(8, 2 x concurrency))")
+                    help="requests per cell (default: max(8, 2 x concurrency); with --rate, max(16, 20 x rate))")
     bs.add_argument("--max-tokens", type=int, default=96, help="tokens per request (default: 96)")
     bs.add_argument("--context", type=int, default=1024, help="the servers' tokens per request (default: 1024)")
     bs.add_argument("--peers", default="", help="llamacpp: llama-cpp-python's server on the same GGUF")
@@ -266,7 +271,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                            max_tokens=args.max_tokens, model=args.model, dtype=args.dtype,
                            batch_invariant=args.batch_invariant, threads=args.threads, context=args.context,
                            peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()), out=args.out,
-                           rounds=args.rounds, peer_concurrency=args.peer_concurrency)
+                           rounds=args.rounds, peer_concurrency=args.peer_concurrency,
+                           rates=_float_list(args.rate, "--rate") if args.rate else (), max_batch=args.max_batch)
     run_serve_bench(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
     from pathlib import Path
 
@@ -493,6 +499,16 @@ def _int_list(text: str, option: str) -> tuple[int, ...]:
         raise SpecdraftError(f"{option} takes comma-separated integers, got {text!r}") from None
     if not values or min(values) < 1:
         raise SpecdraftError(f"{option} needs positive integers, got {text!r}")
+    return values
+
+
+def _float_list(text: str, option: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise SpecdraftError(f"{option} takes comma-separated numbers, got {text!r}") from None
+    if not values or not all(0 < v < float("inf") for v in values):
+        raise SpecdraftError(f"{option} needs positive finite numbers, got {text!r}")
     return values
 
 

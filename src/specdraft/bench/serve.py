@@ -8,7 +8,10 @@ in turn, the order rotated from one cell to the next, so that the engines compar
 the report ran minutes apart, not an hour (this machine's speed drifts by 10-20% over an hour),
 and ``rounds`` times (a cell's numbers pool its rounds). A cell: ``concurrency`` client
 threads, each sending its next streamed chat request as soon as the last one ended (a closed
-loop), ``requests`` requests, greedy; before each cell the server forgets what it learned from
+loop), ``requests`` requests, greedy; or, with ``rates``, an open loop: requests arrive at
+``rate`` per second at seeded Poisson times whatever the server's pace (as traffic does), each
+on its own thread, so that a server slower than the rate builds a queue, and past its
+``--max-queue`` refuses requests (counted as errors); before each cell the server forgets what it learned from
 earlier ones (``--allow-reset``: prompts repeat across cells, and suffix decoding would
 otherwise copy its own earlier answers). A peer (llama.cpp's server decodes one request at a
 time) runs up to ``peer_concurrency``. Measured
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import statistics
@@ -42,6 +46,7 @@ from specdraft.errors import SpecdraftError
 HOST = "127.0.0.1"
 PROMPT_CHARS = 2000  # a user message is cut to this many characters (the context is short on purpose)
 STARTUP_TIMEOUT_S = 900  # model load + the policy's cost measurement at every batch size
+OPEN_LOOP_THREADS = 256  # an open-loop cell's client threads: requests past this many in flight wait on the client
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,13 +65,33 @@ class ServeBenchConfig:
     peer_concurrency: int = 16  # a peer's largest concurrency (llama.cpp's server queues past 1)
     rounds: int = 1  # times each cell is run (engines in rotated order); its numbers pool them
     out: str = "runs/bench-serve"
+    rates: tuple[float, ...] = ()  # requests per second (open loop, Poisson arrivals): run these instead of concurrencies
+    seed: int = 0  # the open loop's arrival times
+    max_batch: int | None = None  # the servers' --max-batch (None: the largest concurrency)
 
     def __post_init__(self) -> None:
         if self.rounds < 1 or self.peer_concurrency < 1 or not self.concurrency or min(self.concurrency) < 1:
             raise SpecdraftError("bench-serve: rounds, concurrencies and peer_concurrency must be >= 1")
+        if self.max_batch is not None and self.max_batch < 1:
+            raise SpecdraftError(f"bench-serve: max_batch must be >= 1, got {self.max_batch}")
+        if any(not r > 0 or r != r or r == float("inf") for r in self.rates):
+            raise SpecdraftError(f"bench-serve: request rates must be finite and > 0, got {list(self.rates)}")
+
+    @property
+    def server_batch(self) -> int:
+        return self.max_batch if self.max_batch is not None else max(self.concurrency)
 
     def requests_at(self, concurrency: int) -> int:
         return self.requests if self.requests is not None else max(8, 2 * concurrency)
+
+    def requests_at_rate(self, rate: float) -> int:
+        """An open-loop cell's requests: about 20 seconds of arrivals (at least 16)."""
+        return self.requests if self.requests is not None else max(16, round(20 * rate))
+
+    @property
+    def loads(self) -> list[tuple[int, float | None]]:
+        """The cells' loads: (concurrency, None) for a closed loop; (0, rate) for an open one."""
+        return [(0, r) for r in self.rates] if self.rates else [(c, None) for c in self.concurrency]
 
 
 @dataclass(slots=True)
@@ -89,6 +114,7 @@ class Cell:
     engine_s: dict[str, float] = field(default_factory=dict)  # the server's scheduler time by phase (/metrics)
     rounds: int = 1
     round_throughput: list[float] = field(default_factory=list)  # tok/s of each round, in order
+    rate: float | None = None  # an open-loop cell's requests per second (concurrency: the most in flight seen)
 
     def __post_init__(self) -> None:
         if not self.round_throughput and self.seconds > 0:
@@ -107,6 +133,7 @@ class Cell:
         for name in ("requests", "seconds", "tokens", "errors", "passes", "emitted", "drafted", "accepted", "rounds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.round_throughput += other.round_throughput
+        self.concurrency = max(self.concurrency, other.concurrency) if self.rate is not None else self.concurrency
         for phase, secs in other.engine_s.items():
             self.engine_s[phase] = self.engine_s.get(phase, 0.0) + secs
         self.ttft += other.ttft
@@ -119,7 +146,7 @@ class Cell:
 
     def summary(self) -> dict[str, Any]:
         return {"engine": self.engine, "method": self.method, "workload": self.workload,
-                "concurrency": self.concurrency, "requests": self.requests, "errors": self.errors,
+                "concurrency": self.concurrency, "rate": self.rate, "requests": self.requests, "errors": self.errors,
                 "seconds": self.seconds, "tokens": self.tokens, "throughput": self.throughput,
                 "ttft_p50": _pct(self.ttft, 50), "ttft_p99": _pct(self.ttft, 99),
                 "itl_p50": _pct(self.itl, 50), "itl_p99": _pct(self.itl, 99), "tpot_p50": _pct(self.tpot, 50),
@@ -243,8 +270,19 @@ def one_request(client: Any, model: str, message: str, max_tokens: int, count_to
     return {"ttft": ttft, "gaps": gaps, "tokens": tokens, "tpot": tpot, "seconds": end - t0}
 
 
+def arrivals(rate: float, n: int, seed: int) -> list[float]:
+    """Seconds from the start at which n requests arrive at ``rate`` per second (a Poisson process)."""
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
 def run_cell(url: str, model: str, engine: str, method: str, workload: str, messages: list[str], concurrency: int,
-             n_requests: int, max_tokens: int, count_tokens: Any) -> Cell:
+             n_requests: int, max_tokens: int, count_tokens: Any, rate: float | None = None, seed: int = 0) -> Cell:
+    """One cell: ``n_requests`` requests at ``concurrency`` (closed loop) or, given ``rate``, arriving
+    at that many per second (open loop; the cell's concurrency is then the most in flight)."""
     import openai
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
@@ -255,6 +293,25 @@ def run_cell(url: str, model: str, engine: str, method: str, workload: str, mess
     next_index = [0]
     results: list[dict[str, Any]] = []
     errors = [0]
+    in_flight = [0, 0]  # now, most
+
+    def send(i: int) -> None:
+        with lock:
+            in_flight[0] += 1
+            in_flight[1] = max(in_flight)
+        try:
+            r = one_request(client, model, messages[i % len(messages)], max_tokens, count_tokens,
+                            usage_chunk=engine.startswith("specdraft"))
+        except Exception as e:  # noqa: BLE001  (a failed request is counted, the cell goes on)
+            print(f"bench-serve: request failed: {type(e).__name__}: {e}", file=sys.stderr)
+            with lock:
+                errors[0] += 1
+            return
+        finally:
+            with lock:
+                in_flight[0] -= 1
+        with lock:
+            results.append(r)
 
     def worker() -> None:
         while True:
@@ -263,26 +320,27 @@ def run_cell(url: str, model: str, engine: str, method: str, workload: str, mess
                 if i >= n_requests:
                     return
                 next_index[0] += 1
-            try:
-                r = one_request(client, model, messages[i % len(messages)], max_tokens, count_tokens,
-                                usage_chunk=engine.startswith("specdraft"))
-            except Exception as e:  # noqa: BLE001  (a failed request is counted, the cell goes on)
-                print(f"bench-serve: request failed: {type(e).__name__}: {e}", file=sys.stderr)
-                with lock:
-                    errors[0] += 1
-                continue
-            with lock:
-                results.append(r)
+            send(i)
 
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        for f in [pool.submit(worker) for _ in range(concurrency)]:
-            f.result()
+    if rate is None:
+        with ThreadPoolExecutor(concurrency) as pool:
+            for f in [pool.submit(worker) for _ in range(concurrency)]:
+                f.result()
+    else:
+        with ThreadPoolExecutor(min(n_requests, OPEN_LOOP_THREADS)) as pool:
+            futures = []
+            for i, at in enumerate(arrivals(rate, n_requests, seed)):
+                time.sleep(max(0.0, t0 + at - time.perf_counter()))
+                futures.append(pool.submit(send, i))
+            for f in futures:
+                f.result()
+        concurrency = in_flight[1]
     seconds = time.perf_counter() - t0
     after = scrape(url)
     cell = Cell(engine, method, workload, concurrency, n_requests, seconds, sum(r["tokens"] for r in results),
                 errors[0], [r["ttft"] for r in results], [g for r in results for g in r["gaps"]],
-                [r["tpot"] for r in results if r["tpot"] is not None])
+                [r["tpot"] for r in results if r["tpot"] is not None], rate=rate)
     for field_, series in (("passes", "target_passes"), ("emitted", "generation_tokens"), ("drafted", "draft_tokens"),
                            ("accepted", "accepted_tokens")):
         name = f"specdraft_{series}_total"
@@ -303,7 +361,7 @@ def workload_messages(workloads: tuple[str, ...]) -> dict[str, list[str]]:
 def _specdraft_cmd(cfg: ServeBenchConfig, method: str, port: int) -> list[str]:
     name, _, opts = method.partition(":")
     cmd = [sys.executable, "-m", "specdraft", "serve", "--port", str(port), "--host", HOST, "--method", name,
-           "--dtype", cfg.dtype, "--max-batch", str(max(cfg.concurrency)), "--max-queue", str(4 * max(cfg.concurrency)),
+           "--dtype", cfg.dtype, "--max-batch", str(cfg.server_batch), "--max-queue", str(4 * max(cfg.concurrency)),
            "--context", str(cfg.context), "--served-model-name", "bench", "--allow-reset"]
     for opt in filter(None, opts.split("+")):
         key, _, value = opt.partition("=")
@@ -378,13 +436,14 @@ def run_serve_bench(cfg: ServeBenchConfig, log: Any = print) -> dict[str, Any]:
             run_cell(server.url, "bench", engine, method, "warmup", next(iter(messages.values())), 1, 1, 16, count)
         turn = 0
         for workload, msgs in messages.items():
-            for c in cfg.concurrency:
-                here = [x for x in servers if x[0].startswith("specdraft") or c <= cfg.peer_concurrency]
+            for c, rate in cfg.loads:
+                here = [x for x in servers if x[0].startswith("specdraft") or rate is not None or c <= cfg.peer_concurrency]
+                n = cfg.requests_at(c) if rate is None else cfg.requests_at_rate(rate)
                 pooled: dict[str, Cell] = {}
                 for _ in range(cfg.rounds):
                     for engine, method, server in here[turn % len(here):] + here[: turn % len(here)]:
-                        cell = run_cell(server.url, "bench", engine, method, workload, msgs, c, cfg.requests_at(c),
-                                        cfg.max_tokens, count)
+                        cell = run_cell(server.url, "bench", engine, method, workload, msgs, c, n, cfg.max_tokens,
+                                        count, rate, cfg.seed)
                         _log_cell(log, cell)
                         if engine in pooled:
                             pooled[engine].merge(cell)
@@ -406,7 +465,8 @@ def run_serve_bench(cfg: ServeBenchConfig, log: Any = print) -> dict[str, Any]:
 def _log_cell(log: Any, cell: Cell) -> None:
     s = cell.summary()
     tau = f", tau {s['tau']:.2f}" if s["tau"] is not None else ""
-    log(f"bench-serve: {cell.engine:<22} {cell.workload:<10} c={cell.concurrency:<3} {s['throughput']:7.1f} tok/s, "
+    load = f"c={cell.concurrency:<3}" if cell.rate is None else f"rate={cell.rate:g}/s (c<={cell.concurrency})"
+    log(f"bench-serve: {cell.engine:<22} {cell.workload:<10} {load} {s['throughput']:7.1f} tok/s, "
         f"TTFT p50 {s['ttft_p50'] or 0:.2f} s{tau}" + (f", {cell.errors} errors" if cell.errors else ""))
 
 

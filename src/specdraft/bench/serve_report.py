@@ -1,5 +1,6 @@
 """The report of a serving benchmark: a table per workload (throughput, speedup over plain
-serving at the same concurrency, TTFT, ITL, tau) and plots."""
+serving at the same load, TTFT, ITL, tau) and plots. A cell's load is its concurrency (closed
+loop) or its request rate (open loop: ``rate`` set)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,15 @@ from typing import Any
 from specdraft.bench.machine import format_table
 
 
+def load(cell: dict[str, Any]) -> float:
+    """What a cell's load is measured in: its request rate (open loop), else its concurrency."""
+    return cell["rate"] if cell.get("rate") is not None else cell["concurrency"]
+
+
 def _plain_of(cell: dict[str, Any], cells: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """specdraft's plain serving cell at the same workload and concurrency, if it ran."""
+    """specdraft's plain serving cell at the same workload and load, if it ran."""
     return next((c for c in cells if c["engine"] == "specdraft:plain" and c["workload"] == cell["workload"]
-                 and c["concurrency"] == cell["concurrency"]), None)
+                 and load(c) == load(cell) and (c.get("rate") is None) == (cell.get("rate") is None)), None)
 
 
 def _speedup(cell: dict[str, Any], cells: list[dict[str, Any]]) -> float | None:
@@ -43,15 +49,19 @@ def write_serve_report(folder: Path, results: dict[str, Any] | None = None) -> P
     cells = results["cells"]
     cfg = results["config"]
     machine = results.get("machine", {})
+    rates = cfg.get("rates") or []
+    loads = (f"request rates {', '.join(f'{r:g}' for r in rates)} per second, Poisson arrivals (open loop; "
+             f"conc.: the most requests in flight)" if rates else
+             f"concurrency {', '.join(map(str, cfg['concurrency']))}, a closed loop")
     lines = ["# Serving benchmark", "",
              f"`specdraft bench-serve`: {', '.join(cfg['methods'])} (and peers: {', '.join(cfg['peers']) or 'none'}); "
-             f"workloads {', '.join(cfg['workloads'])}; concurrency {', '.join(map(str, cfg['concurrency']))}; "
-             f"{cfg['max_tokens']} tokens per request, greedy, streamed chat requests in a closed loop; "
+             f"workloads {', '.join(cfg['workloads'])}; {loads}; "
+             f"{cfg['max_tokens']} tokens per request, greedy, streamed chat requests; "
              f"{cfg['dtype']}{', batch-invariant' if cfg['batch_invariant'] else ''}.",
              f"Machine: {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores; server threads: "
              f"{cfg.get('threads') or 'torch default'}.", "",
              "Throughput is output tokens per second of wall time over the cell; speedup is over specdraft's plain "
-             "serving at the same concurrency (pooled over rounds; by round: each round against plain's same "
+             "serving at the same load (pooled over rounds; by round: each round against plain's same "
              "round); TTFT and ITL (gap between streamed chunks) in ms; tau = tokens per "
              "target pass per row (from the server's /metrics); server s: the server's scheduler time over the cell "
              "in prompt feeding / drafting / verification / the rest of its steps (/metrics), against the cell's "
@@ -60,12 +70,13 @@ def write_serve_report(folder: Path, results: dict[str, Any] | None = None) -> P
         rows = []
         for c in (c for c in cells if c["workload"] == workload):
             sp = _speedup(c, cells)
-            rows.append([c["engine"], c["concurrency"], c["requests"], f"{c['throughput']:.1f}",
+            rows.append([c["engine"], *([f"{c['rate']:g}"] if rates else []), c["concurrency"], c["requests"],
+                         f"{c['throughput']:.1f}",
                          "-" if sp is None else f"{sp:.2f}x", _round_speedups(c, cells), _ms(c["ttft_p50"]),
                          _ms(c["ttft_p99"]), _ms(c["itl_p50"]), _ms(c["itl_p99"]), _ms(c["tpot_p50"]),
                          "-" if c["tau"] is None else f"{c['tau']:.2f}", _engine_split(c), c["errors"]])
         lines += [f"## {workload}", "", format_table(
-            ["engine", "conc.", "requests", "tok/s", "speedup", "by round", "TTFT p50", "TTFT p99", "ITL p50",
+            ["engine", *(["rate/s"] if rates else []), "conc.", "requests", "tok/s", "speedup", "by round", "TTFT p50", "TTFT p99", "ITL p50",
              "ITL p99", "TPOT p50", "tau", "server s", "errors"], rows), ""]
     if results.get("notes"):
         lines += ["## Notes", ""] + [f"- {n}" for n in results["notes"]] + [""]
@@ -96,6 +107,7 @@ def write_serve_plots(folder: Path, cells: list[dict[str, Any]]) -> list[Path]:
         return []
     workloads = list(dict.fromkeys(c["workload"] for c in cells))
     engines = list(dict.fromkeys(c["engine"] for c in cells))
+    open_loop = any(c.get("rate") is not None for c in cells)
     out = []
     for key, ylabel, name, scale in (("throughput", "output tokens / s", "throughput_vs_concurrency.png", 1.0),
                                      ("ttft_p50", "TTFT p50 (ms)", "ttft_vs_concurrency.png", 1000.0),
@@ -104,11 +116,11 @@ def write_serve_plots(folder: Path, cells: list[dict[str, Any]]) -> list[Path]:
         for ax, workload in zip(axes[0], workloads):
             for engine in engines:
                 sel = sorted((c for c in cells if c["engine"] == engine and c["workload"] == workload
-                              and c[key] is not None), key=lambda c: c["concurrency"])
+                              and c[key] is not None), key=load)
                 if sel:
-                    ax.plot([c["concurrency"] for c in sel], [scale * c[key] for c in sel], marker="o", label=engine)
+                    ax.plot([load(c) for c in sel], [scale * c[key] for c in sel], marker="o", label=engine)
             ax.set_xscale("log", base=2)
-            ax.set_xlabel("concurrent requests")
+            ax.set_xlabel("requests per second (open loop)" if open_loop else "concurrent requests")
             ax.set_ylabel(ylabel)
             ax.set_title(workload)
             ax.grid(alpha=0.3)

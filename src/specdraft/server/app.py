@@ -198,17 +198,24 @@ async def _serve(state: ServerState, endpoint: str, body: CompletionRequest | Ch
 
 
 async def _whole(job: _Job, http: HttpRequest) -> Response:
-    """Wait for the whole text; a client that goes away cancels the request."""
+    """Wait for the whole text; a client that goes away cancels the request. Whether it is still
+    there is asked every ``DISCONNECT_POLL_S``, also while text keeps arriving (a busy request
+    never waits that long for its next event)."""
     parts: list[str] = []
+    checked = time.monotonic()
     try:
         while True:
             try:
                 event = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
+                event = None
+            if event is None or time.monotonic() - checked >= DISCONNECT_POLL_S:
+                checked = time.monotonic()
                 if await http.is_disconnected():
                     job.cancel()
                     job.done("cancelled")
                     return Response(status_code=499)
+            if event is None:
                 continue
             parts.append(event.text)
             if event.finished:
