@@ -18,7 +18,8 @@ case $METHOD in
   medusa) REF=c425d1a ;;       # the 2-epoch heads, saved in bfloat16
   eagle) REF=58e0bce ;;        # the 2-epoch head
   mtp) REF=c06d7de ;;          # the 2-epoch module
-  layer-skip) REF=3c8f92f ;;   # the adapter as shipped (never trained further)
+  layer-skip) REF=c7ea851 ;;   # the adapter as shipped (never trained further), with the draft vocabulary
+                               # that `train layer-skip` now picks at its end (train_default_heads.sh 5b)
   *) echo "unknown method $METHOD" >&2; exit 2 ;;
 esac
 case $METHOD in

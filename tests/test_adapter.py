@@ -5,6 +5,7 @@ decoding, learns from the target's answers, and bad checkpoints are refused in o
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,11 @@ def test_checkpoints_round_trip_and_bad_ones_are_refused(tiny: LoadedModel, tmp_
     with pytest.raises(ModelFileError, match="hidden size 64") as e:
         load_adapter(folder, dataclasses.replace(tiny.config, hidden_size=32))
     assert "\n" not in str(e.value)
+    c = tiny.config
+    for other in (dict(vocab_size=c.vocab_size + 1), dict(num_layers=c.num_layers + 1)):  # another target
+        with pytest.raises(ModelFileError, match="for a target with hidden size") as e:
+            load_adapter(folder, dataclasses.replace(c, **other))
+        assert "\n" not in str(e.value) and str(c.vocab_size) in str(e.value)
     (folder / "model.safetensors").write_bytes(b"oops")
     with pytest.raises(ModelFileError, match="corrupt or truncated"):
         load_adapter(folder, tiny.config)
@@ -164,6 +170,8 @@ def test_training_learns_and_resumes(tiny: LoadedModel, tiny_hf: Path, tmp_path:
     stopped = train_adapter(tiny, data, tmp_path / "a", AdapterTrainConfig(**{**cfg.key(), "time_budget_s": 0.0}))
     assert stopped.positions == 0
     result = train_adapter(tiny, data, tmp_path / "a", cfg)
+    curve = [json.loads(line) for line in (tmp_path / "a" / "curve.jsonl").read_text().splitlines()]
+    assert curve[-1] == {"epochs": 4.0, **result.row(), "draft_vocab": 64}  # measured over its draft vocabulary
     pairs, _, _ = splits(data, None)
     teacher = TeacherConfig(taps=(1,), top_k=8, batch_tokens=512)
     batches = list(TeacherCache(tiny, pairs, teacher).all(length_batches([len(p) + len(a) for p, a in pairs], 512)))

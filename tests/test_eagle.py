@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -307,12 +308,32 @@ def test_exports_to_speculators_and_eagle3_layouts(tiny: LoadedModel, tmp_path: 
     assert config["speculators_config"]["verifier"]["name_or_path"] == "org/tiny"
     theirs = load_file(str(spec / "model.safetensors"))
     assert set(theirs) == {k.replace("midlayer.", "layers.0.") for k in ours}
+    check_with_speculators(spec, head, tiny)
     assert torch.equal(theirs["layers.0.self_attn.q_proj.weight"], ours["midlayer.self_attn.q_proj.weight"])
     same = export_heads(folder, tmp_path / "e3", "eagle3")
     assert torch.equal(load_eagle(same, tiny.config).fc.weight, head.fc.weight)
     with pytest.raises(SpecdraftError, match="needs a specdraft-medusa head"):
         export_heads(folder, tmp_path / "m", "vllm-medusa")
     assert main(["train", "export", str(tmp_path / "nowhere"), str(tmp_path / "x"), "--format", "eagle3"]) == 2
+
+
+def check_with_speculators(folder: Path, head: Any, tiny: LoadedModel) -> None:
+    """The speculators package's own config class reads the exported config.json (its schema is
+    pydantic: a missing or mistyped field raises) and sees our head: the EAGLE-3 type, the draft
+    vocabulary, the taps and the layer's shape, the verifier. setup.sh installs speculators
+    (without its torch, vision and audio pins) for this test."""
+    from speculators import SpeculatorModelConfig
+    from speculators.models import Eagle3SpeculatorConfig
+
+    config = SpeculatorModelConfig.from_pretrained(str(folder))
+    assert isinstance(config, Eagle3SpeculatorConfig)
+    assert config.draft_vocab_size == head.config.draft_vocab
+    assert config.eagle_aux_hidden_state_layer_ids == list(head.config.taps)
+    layer = config.transformer_layer_config
+    assert layer.hidden_size == tiny.config.hidden_size and layer.vocab_size == tiny.config.vocab_size
+    assert layer.num_attention_heads == tiny.config.num_heads and layer.num_key_value_heads == tiny.config.num_kv_heads
+    assert config.speculators_config.verifier.name_or_path == "org/tiny"
+    assert config.speculators_config.proposal_methods  # how vLLM drafts with it
 
 
 @pytest.mark.parametrize("kind", ["eagle", "mtp"])

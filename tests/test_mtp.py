@@ -48,6 +48,11 @@ def test_checkpoints_round_trip_and_bad_ones_are_refused(tiny: LoadedModel, tmp_
     with pytest.raises(ModelFileError, match="hidden size 64") as e:
         load_mtp(folder, dataclasses.replace(tiny.config, hidden_size=32))
     assert "\n" not in str(e.value)
+    c = tiny.config
+    for other in (dict(vocab_size=c.vocab_size + 1), dict(num_layers=c.num_layers + 1)):  # another target
+        with pytest.raises(ModelFileError, match="for a target with hidden size") as e:
+            load_mtp(folder, dataclasses.replace(c, **other))
+        assert "\n" not in str(e.value) and str(c.vocab_size) in str(e.value)
     with pytest.raises(ModelFileError, match="no module"):
         load_mtp(tmp_path / "nowhere", tiny.config)
     (folder / "config.json").write_text("{")

@@ -322,6 +322,8 @@ def test_medusa_training_learns_saves_resumes_and_refuses_other_settings(
     assert stopped.positions == 0 and (out / CHECKPOINT).is_file()  # interrupted at once, with a checkpoint
     result = train_medusa(tiny, data, out, cfg)  # resumes and finishes
     assert result.positions > 0 and len(result.head_accuracy) == 2 and result.tau >= 1.0
+    curve = [json.loads(line) for line in (out / "curve.jsonl").read_text().splitlines()]
+    assert curve[-1] == {"epochs": 3.0, **result.row()} and curve[-1]["tau"] == round(result.tau, 4)
     heads = make_proposer("medusa", {"path": str(out)}, ProposerContext(tiny.model, tiny.tokenizer)).heads
     # the trained heads beat their untrained start (the target's LM head) on the training answers
     from specdraft.heads.medusa import MedusaConfig, MedusaHeads
@@ -394,6 +396,22 @@ def test_eagle_training_learns_saves_resumes_and_refuses_other_settings(
     assert main(["train", "eagle", "--data", str(data), "--out", str(out), "--taps", "a,b"]) == 2
 
 
+def test_training_is_deterministic_with_a_seed(tiny: LoadedModel, tmp_path: Path) -> None:
+    """The same data, settings and seed give the same weights, byte for byte (on one machine and
+    thread count); another seed (another start and another batch order) gives other weights."""
+    from specdraft.train.eagle import EagleTrainConfig, train_eagle
+
+    data = tmp_path / "data"
+    prompts = [TrainPrompt(f"p/{i}", "p", f"Count to {i}. " * (1 + i % 2), None) for i in range(24)]
+    generate_data(tiny, prompts, data, DataConfig(max_new_tokens=16, temperatures=(0.0,), batch_size=8))
+    cfg = EagleTrainConfig(draft_vocab=64, steps=2, epochs=2, lr=3e-3, batch_tokens=256, eval_steps=2)
+    weights = []
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        train_eagle(tiny, data, tmp_path / name, dataclasses.replace(cfg, seed=seed), kind="mtp")
+        weights.append((tmp_path / name / "model.safetensors").read_bytes())
+    assert weights[0] == weights[1] and weights[0] != weights[2]
+
+
 def test_mtp_training_learns_and_saves_a_loadable_module(tiny: LoadedModel, tmp_path: Path,
                                                          capsys: pytest.CaptureFixture) -> None:
     from specdraft.proposers import make_proposer
@@ -403,10 +421,12 @@ def test_mtp_training_learns_and_saves_a_loadable_module(tiny: LoadedModel, tmp_
     data = tmp_path / "data"
     prompts = [TrainPrompt(f"p/{i}", "p", f"Say {i} twice. " * (1 + i % 3), None) for i in range(80)]
     generate_data(tiny, prompts, data, DataConfig(max_new_tokens=24, temperatures=(0.0,), batch_size=8))
-    cfg = EagleTrainConfig(draft_vocab=64, steps=2, epochs=2, lr=3e-3, batch_tokens=512, eval_steps=2)
+    cfg = EagleTrainConfig(draft_vocab=64, steps=2, epochs=2, lr=3e-3, batch_tokens=512, eval_steps=2, eval_every=2)
     result = train_eagle(tiny, data, tmp_path / "mtp", cfg, kind="mtp")
     curve = [json.loads(line) for line in (tmp_path / "mtp" / "curve.jsonl").read_text().splitlines()]
     assert result.positions > 0 and curve[-1]["tau"] == round(result.tau, 4)
+    assert len(curve) > 2 and [r["epochs"] for r in curve] == sorted(r["epochs"] for r in curve)  # every 2 batches
+    assert "held tau=" in capsys.readouterr().err  # the held-out measure shown on the progress bar
     proposer = make_proposer("mtp", {"path": str(tmp_path / "mtp")}, ProposerContext(tiny.model, tiny.tokenizer))
     assert proposer.head.config.taps == (tiny.config.num_layers,)
     # --init: a run that starts from the trained module (and barely moves) measures what it measured

@@ -32,8 +32,8 @@ from specdraft.heads.adapter import AdapterConfig, ExitAdapter, save_adapter
 from specdraft.heads.feature_head import causal_mask
 from specdraft.model.loader import LoadedModel
 from specdraft.model.transformer import grouped_attention
-from specdraft.train.common import (checkpoint_key, Loop, TeacherCache, data_fingerprint, draft_vocabulary, resume,
-                                    soft_cross_entropy, splits, train_loop)
+from specdraft.train.common import (EVAL_EVERY, checkpoint_key, Loop, TeacherCache, data_fingerprint, draft_vocabulary,
+                                    resume, soft_cross_entropy, splits, train_loop, write_curve)
 from specdraft.train.eagle import ChainMeasure
 from specdraft.train.teacher import TeacherBatch, TeacherConfig, length_batches
 
@@ -131,14 +131,23 @@ def train_adapter(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: A
         logits = adapter_logits(adapter, loaded, batch)[mask]  # [P, V]
         return soft_cross_entropy(logits, batch.top_ids[mask].long(), batch.top_probs[mask], everything), {}
 
+    held_cache = TeacherCache(loaded, held, teacher, keep=True)
+    held_groups = length_batches([len(p) + len(a) for p, a in held], cfg.batch_tokens)
+
+    def after(epoch: int, batch: int, batches: int) -> dict[str, str] | None:
+        if batch % EVAL_EVERY:  # (over the full vocabulary: the draft one is chosen at the end)
+            return None
+        measure = evaluate(adapter, loaded, list(held_cache.all(held_groups)), cfg.eval_steps)
+        write_curve(folder, epoch, batch, batches, measure.row())
+        return measure.bar()
+
     loop = Loop("layer-skip adapter", cfg.epochs, cfg.seed, cfg.checkpoint_every, cfg.time_budget_s, cfg.lr)
-    if not train_loop(folder, key, adapter, opt, groups, progress, loop, step, log=log):
+    if not train_loop(folder, key, adapter, opt, groups, progress, loop, step, after, log):
         return ChainMeasure()
     if cfg.draft_vocab < loaded.config.vocab_size:
         adapter.vocab = draft_vocabulary(loaded, (answer for _, answer in pairs), cfg.draft_vocab)
-    held_cache = TeacherCache(loaded, held, teacher, keep=False)
-    result = evaluate(adapter, loaded, list(held_cache.all(length_batches([len(p) + len(a) for p, a in held],
-                                                                          cfg.batch_tokens))), cfg.eval_steps)
+    result = evaluate(adapter, loaded, list(held_cache.all(held_groups)), cfg.eval_steps)
+    write_curve(folder, cfg.epochs - 1, len(groups), len(groups), {**result.row(), "draft_vocab": cfg.draft_vocab})
     log(f"layer-skip: {result.line()}")
     save_adapter(adapter, folder, loaded.source.name, dtype=torch.bfloat16,
                  extra={"training": cfg.key(), "held_out": {"tau": result.tau, "accept": result.accept,

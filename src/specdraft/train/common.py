@@ -263,17 +263,28 @@ class Loop:
 
 
 Step = Callable[[list[int]], tuple[Tensor, dict[str, str]]]  # a batch's group -> (loss, progress-bar fields)
+After = Callable[[int, int, int], "dict[str, str] | None"]  # (epoch, batch, batches) -> progress-bar fields to keep
+EVAL_EVERY = 100  # batches between held-out measures (the learning curve, ``curve.jsonl``), where not set
+
+
+def write_curve(folder: Path, epoch: int, batch: int, batches: int, measure: dict[str, Any]) -> None:
+    """Append one held-out measure to ``folder/curve.jsonl``, with the epochs done (a fraction)."""
+    row = {"epochs": round(epoch + batch / batches, 4), **measure}
+    with open(folder / "curve.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 def train_loop(folder: Path, key: dict[str, Any], module: nn.Module, opt: torch.optim.Optimizer,
                groups: Seq[list[int]], progress: dict[str, Any], loop: Loop, step: Step,
-               after: Callable[[int, int, int], None] | None = None,
+               after: After | None = None,
                log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> bool:
     """Every head's training loop: epochs over ``groups`` shuffled per epoch (by seed), one
     optimizer step per group, checkpoints every ``checkpoint_every`` batches and at each epoch's
     end, resuming at ``progress``. ``after(epoch, batch, batches)`` runs after each batch (a
-    held-out measure). Returns False when the time budget stopped it (with a checkpoint)."""
+    held-out measure); the fields it returns stay on the progress bar until it returns others.
+    Returns False when the time budget stopped it (with a checkpoint)."""
     t0 = time.perf_counter()
+    kept: dict[str, str] = {}  # the last held-out measure, shown beside the training batch's
     for epoch in range(progress["epoch"], loop.epochs):
         order = list(groups)
         random.Random(loop.seed + epoch).shuffle(order)
@@ -292,12 +303,12 @@ def train_loop(folder: Path, key: dict[str, Any], module: nn.Module, opt: torch.
             opt.zero_grad()
             loss.backward()
             opt.step()
-            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", **fields)
-            bar.update(1)
             if (b + 1) % loop.checkpoint_every == 0:
                 save_checkpoint(folder, key, module, opt, {"epoch": epoch, "batch": b + 1})
             if after is not None:
-                after(epoch, b + 1, len(order))
+                kept.update(after(epoch, b + 1, len(order)) or {})
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", **fields, **kept)
+            bar.update(1)
         bar.close()
         progress = {"epoch": epoch + 1, "batch": 0}
         save_checkpoint(folder, key, module, opt, progress)

@@ -20,7 +20,6 @@ EAGLE-3 layout (:mod:`specdraft.heads.eagle_checkpoint`).
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Callable, Sequence as Seq
@@ -39,7 +38,7 @@ from specdraft.heads.mtp_checkpoint import load_mtp, save_mtp
 from specdraft.heads.eagle_checkpoint import load_eagle, save_eagle
 from specdraft.model.loader import LoadedModel
 from specdraft.train.common import (checkpoint_key, Loop, Pair, TeacherCache, data_fingerprint, draft_index, draft_vocabulary,
-                                    reference_pairs, resume, soft_cross_entropy, splits, train_loop)
+                                    reference_pairs, resume, soft_cross_entropy, splits, train_loop, write_curve)
 from specdraft.train.teacher import TeacherBatch, TeacherConfig, length_batches
 
 
@@ -84,6 +83,14 @@ class ChainMeasure:
     def line(self) -> str:
         acc = ", ".join(f"{a:.0%}" for a in self.accept)
         return f"held-out tau {self.tau:.3f} over {self.positions} positions; acceptance per draft position: {acc}"
+
+    def row(self) -> dict[str, Any]:
+        """The learning curve's fields (``curve.jsonl``)."""
+        return {"tau": round(self.tau, 4), "accept": [round(a, 4) for a in self.accept], "positions": self.positions}
+
+    def bar(self) -> dict[str, str]:
+        """The progress bar's fields: held-out tau and first-position acceptance."""
+        return {"held tau": f"{self.tau:.2f}", "held acc1": f"{self.accept[0]:.0%}" if self.accept else "-"}
 
 
 def step_targets(batch: TeacherBatch, k: int, t: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -153,12 +160,10 @@ def evaluate(head: FeatureHead, loaded: LoadedModel, batches: Seq[TeacherBatch],
     return ChainMeasure(total, accept, 1.0 + sum(reached[1:]) / total)
 
 
-def _curve(folder: Path, epoch: int, batch: int, batches: int, m: ChainMeasure) -> None:
-    """Append one held-out measure to ``curve.jsonl`` (epochs done, as a fraction, and tau)."""
-    row = {"epochs": round(epoch + batch / batches, 4), "tau": round(m.tau, 4),
-           "accept": [round(a, 4) for a in m.accept], "positions": m.positions}
-    with open(folder / "curve.jsonl", "a", encoding="utf-8") as f:
-        f.write(json.dumps(row) + "\n")
+def _curve(folder: Path, epoch: int, batch: int, batches: int, m: ChainMeasure) -> dict[str, str]:
+    """Append one held-out measure to ``curve.jsonl``; the progress bar's field for it."""
+    write_curve(folder, epoch, batch, batches, m.row())
+    return m.bar()
 
 
 @torch.no_grad()
@@ -241,9 +246,10 @@ def train_eagle(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: Eag
         share = teacher_s[0] / max(time.perf_counter() - t0, 1e-9)
         return loss, {"step1": f"{acc:.0%}", "teacher": f"{share:.0%}"}
 
-    def after(epoch: int, batch: int, batches: int) -> None:
-        if batch % cfg.eval_every == 0:
-            _curve(folder, epoch, batch, batches, evaluate(head, loaded, list(held_cache.all(held_groups)), cfg.eval_steps))
+    def after(epoch: int, batch: int, batches: int) -> dict[str, str] | None:
+        if batch % cfg.eval_every:
+            return None
+        return _curve(folder, epoch, batch, batches, evaluate(head, loaded, list(held_cache.all(held_groups)), cfg.eval_steps))
 
     loop = Loop(kind, cfg.epochs, cfg.seed, cfg.checkpoint_every, cfg.time_budget_s, cfg.lr)
     if not train_loop(folder, key, head, opt, groups, progress, loop, step, after, log):

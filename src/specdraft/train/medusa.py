@@ -30,8 +30,8 @@ from torch import Tensor
 from specdraft.errors import SpecdraftError
 from specdraft.heads.medusa import MedusaConfig, MedusaHeads, load_medusa, save_medusa
 from specdraft.model.loader import LoadedModel
-from specdraft.train.common import (checkpoint_key, Loop, TeacherCache, data_fingerprint, draft_index, draft_vocabulary, resume,
-                                    soft_cross_entropy, splits, train_loop)
+from specdraft.train.common import (EVAL_EVERY, checkpoint_key, Loop, TeacherCache, data_fingerprint, draft_index,
+                                    draft_vocabulary, resume, soft_cross_entropy, splits, train_loop, write_curve)
 from specdraft.train.teacher import TeacherBatch, TeacherConfig, length_batches
 
 
@@ -70,6 +70,16 @@ class HeldOut:
     def line(self) -> str:
         acc = ", ".join(f"{a:.1%}" for a in self.head_accuracy or [])
         return f"held-out tau {self.tau:.3f} over {self.positions} positions; per head: {acc}"
+
+    def row(self) -> dict[str, Any]:
+        """The learning curve's fields (``curve.jsonl``)."""
+        return {"tau": round(self.tau, 4), "head_accuracy": [round(a, 4) for a in self.head_accuracy or []],
+                "positions": self.positions}
+
+    def bar(self) -> dict[str, str]:
+        """The progress bar's fields: held-out tau and head 1's accuracy."""
+        first = (self.head_accuracy or [None])[0]
+        return {"held tau": f"{self.tau:.2f}", "held head1": "-" if first is None else f"{first:.0%}"}
 
 
 def head_targets(batch: TeacherBatch, k: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -169,11 +179,21 @@ def train_medusa(loaded: LoadedModel, data: str | Path, out: str | Path, cfg: Me
         acc = sum(r for r, _ in counts[:1]) / max(sum(t for _, t in counts[:1]), 1)
         return loss, {"head1": f"{acc:.0%}"}
 
+    held_cache = TeacherCache(loaded, held, teacher, keep=True)
+    held_groups = length_batches([len(p) + len(a) for p, a in held], cfg.batch_tokens)
+
+    def after(epoch: int, batch: int, batches: int) -> dict[str, str] | None:
+        if batch % EVAL_EVERY:
+            return None
+        measure = evaluate(heads, list(held_cache.all(held_groups)))
+        write_curve(folder, epoch, batch, batches, measure.row())
+        return measure.bar()
+
     loop = Loop("medusa", cfg.epochs, cfg.seed, cfg.checkpoint_every, cfg.time_budget_s)
-    if not train_loop(folder, key, heads, opt, groups, progress, loop, step, log=log):
+    if not train_loop(folder, key, heads, opt, groups, progress, loop, step, after, log):
         return HeldOut()
-    held_cache = TeacherCache(loaded, held, teacher, keep=False)
-    result = evaluate(heads, list(held_cache.all(length_batches([len(p) + len(a) for p, a in held], cfg.batch_tokens))))
+    result = evaluate(heads, list(held_cache.all(held_groups)))
+    write_curve(folder, cfg.epochs - 1, len(groups), len(groups), result.row())
     log(f"medusa: {result.line()}")
     save_medusa(heads, folder, target=loaded.source.name,
                 extra={"training": cfg.key(), "held_out": {"tau": result.tau, "head_accuracy": result.head_accuracy,
