@@ -111,10 +111,11 @@ class Engine:
         return self.policy.config.k + 1 if self.speculative else 0
 
     # -- set-up -----------------------------------------------------------------------------
-    def start(
-        self, prompts: Seq[Seq[int]], config: GenerationConfig, sampling: Sampling | Seq[Sampling] = GREEDY
-    ) -> tuple[list[Sequence], KVCache]:
-        """Validate prompts and build the sequences and a cache sized for them."""
+    def check(self, prompts: Seq[Seq[int]], config: GenerationConfig,
+              sampling: Sampling | Seq[Sampling] = GREEDY) -> tuple[list[Sampling], int]:
+        """Validate a static batch's prompts (one-line errors); return each prompt's sampling
+        settings and the positions a row needs (the longest prompt, its new tokens and the
+        drafts' headroom, within the model's context)."""
         if not prompts:
             raise SpecdraftError("no prompts given")
         samplings = [sampling] * len(prompts) if isinstance(sampling, Sampling) else list(sampling)
@@ -132,7 +133,15 @@ class Engine:
             if max(p) >= self.model.config.vocab_size or min(p) < 0:
                 raise SpecdraftError(f"prompt {i} has a token id outside the vocabulary")
         longest = max(len(p) for p in prompts)
-        capacity = min(limit, longest + config.max_new_tokens + self.draft_headroom + 1)
+        return samplings, min(limit, longest + config.max_new_tokens + self.draft_headroom + 1)
+
+    def start(
+        self, prompts: Seq[Seq[int]], config: GenerationConfig, sampling: Sampling | Seq[Sampling] = GREEDY
+    ) -> tuple[list[Sequence], KVCache]:
+        """Validate prompts and build the sequences and a cache sized for them (for a caller that
+        runs ``prefill`` and ``step`` itself)."""
+        samplings, capacity = self.check(prompts, config, sampling)
+        limit = self.model.config.max_context
         seqs = [
             Sequence(
                 prompt=list(p),
@@ -224,10 +233,9 @@ class Engine:
         sampling: Sampling | Seq[Sampling] = GREEDY,
         stats: SpecStats | None = None,
     ) -> Iterator[StreamEvent]:
-        """Generate, yielding text as it becomes final. ``stats`` (if given) receives the
-        aggregate counts and timings."""
-        seqs, cache = self.start(prompts, config, sampling)
-        yield from self._run(seqs, cache, stats if stats is not None else SpecStats())
+        """Generate, yielding text as it becomes final (``StreamEvent.row``: the prompt's index).
+        ``stats`` (if given) receives the aggregate counts and timings."""
+        yield from self._run(prompts, config, sampling, stats if stats is not None else SpecStats(), [])
 
     def generate(
         self,
@@ -237,39 +245,39 @@ class Engine:
         on_text: Callable[[StreamEvent], None] | None = None,
         stats: SpecStats | None = None,
     ) -> list[GenerationResult]:
-        seqs, cache = self.start(prompts, config, sampling)
-        for event in self._run(seqs, cache, stats if stats is not None else SpecStats()):
+        seqs: list[Sequence] = []
+        for event in self._run(prompts, config, sampling, stats if stats is not None else SpecStats(), seqs):
             if on_text is not None:
                 on_text(event)
         return [
             GenerationResult(s.text, s.output, len(s.prompt), s.finish_reason or "length", s.stats) for s in seqs
         ]
 
-    @torch.inference_mode()
-    def _run(self, seqs: list[Sequence], cache: KVCache, stats: SpecStats) -> Iterator[StreamEvent]:
+    def _run(self, prompts: Seq[Seq[int]], config: GenerationConfig, sampling: Sampling | Seq[Sampling],
+             stats: SpecStats, seqs: list[Sequence]) -> Iterator[StreamEvent]:
+        """The prompts as one static batch on the scheduler (every prompt fed in its first
+        iteration, then steps until the last row ends; ``scheduler`` module doc). ``seqs`` is
+        filled with the requests' sequences, in prompt order."""
+        from specdraft.scheduler import Scheduler, SchedulerConfig  # (the scheduler is built on this module)
+
+        samplings, capacity = self.check(prompts, config, sampling)
         if self.speculative:
-            self.policy.prepare(len(seqs))  # measure the cost model for this batch size, untimed
-        for row, s in enumerate(seqs):
-            self.proposer.begin(row, s)
-            self.policy.begin(row)
+            self.policy.prepare(len(prompts))  # measure the cost model for this batch size, untimed
+        scheduler = Scheduler(self, SchedulerConfig(max_batch=len(prompts), max_queue=len(prompts),
+                                                    row_capacity=capacity, prefill_tokens=sum(map(len, prompts)),
+                                                    pack=False, static=True), stats)
+        events: list[StreamEvent] = []
+        for i, (p, s) in enumerate(zip(prompts, samplings)):
+            request = scheduler.submit(p, config, s, lambda e, i=i: events.append(StreamEvent(i, e.text, e.finished)))
+            seqs.append(request.seq)
         try:
-            t0 = time.perf_counter()
-            features: list[Features] | None = [] if self.wants.prompt else None
-            last = self.first_tokens(self.prefill(seqs, cache, features=features), seqs)
-            stats.prefill_s += time.perf_counter() - t0
-            for row, f in enumerate(features or ()):
-                self.proposer.prefilled(row, f)  # type: ignore[attr-defined]  # asked for with features.prompt
-            for row, (s, tok) in enumerate(zip(seqs, last)):
-                s.append([tok])
-                yield from _events(row, s)
-            batch = Batch(list(seqs), cache, last)
-            while not batch.done:
-                yield from self.step(batch, stats)
+            while scheduler.run_once():
+                yield from events
+                events.clear()
+            yield from events
         finally:
             stats.proposer_bytes = max(stats.proposer_bytes, self.proposer.memory_bytes())
-            for row in range(len(seqs)):
-                self.proposer.end(row)
-                self.policy.end(row)
+            scheduler.close()
 
     def step(self, batch: Batch, stats: SpecStats) -> list[StreamEvent]:
         """One target pass for every live row: propose, verify, accept, commit, observe. The

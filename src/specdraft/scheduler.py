@@ -22,6 +22,10 @@ iteration (``run_once``) it
 
 Events go to each request's ``on_event`` callback, on the scheduler's thread. ``submit`` and
 ``cancel`` may be called from any thread; ``run_once`` from one thread only.
+
+``Engine.generate`` runs on a *static* scheduler (``SchedulerConfig.static``): every request is
+submitted before the first iteration, all prompts are fed in it, and the batch then only
+shrinks; the policy weighs how much sooner the batch ends rather than throughput.
 """
 
 from __future__ import annotations
@@ -58,7 +62,12 @@ class SchedulerConfig:
     the tokens in flight. prefill_tokens: prompt tokens fed between two decode steps (at least
     one chunk). pack: move running requests into free slots below them (module doc; only with
     a proposer that implements ``move``). batch_grid: the batch sizes the adaptive policy's cost
-    model is measured at."""
+    model is measured at. static: a batch whose requests all come first (``Engine.generate``;
+    module doc): a request may ask for more tokens than its slot holds (its sequence stops at
+    the slot's end), every step runs all ``max_batch`` slots (finished rows as idle ones, so the
+    policy prices one batch size, which it measured first), the cost model is left to measure
+    each batch's own size, and the engine's learned state is not snapshotted for
+    ``reset_memory``."""
 
     max_batch: int = 16
     max_queue: int = 256
@@ -66,6 +75,7 @@ class SchedulerConfig:
     prefill_chunk: int = PREFILL_CHUNK
     prefill_tokens: int = PREFILL_CHUNK
     pack: bool = True
+    static: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_queue", "prefill_chunk", "prefill_tokens"):
@@ -147,7 +157,8 @@ class SchedulerCounters:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, config: SchedulerConfig = SchedulerConfig()) -> None:
+    def __init__(self, engine: Engine, config: SchedulerConfig = SchedulerConfig(),
+                 stats: SpecStats | None = None) -> None:
         self.engine = engine
         self.config = config
         limit = engine.model.config.max_context
@@ -157,16 +168,17 @@ class Scheduler:
         self.last: list[int] = [0] * config.max_batch  # slot -> its last emitted token
         self.waiting: deque[Request] = deque()
         self.joining: list[Request] = []  # have a slot, prompt being prefilled
-        self.stats = SpecStats()  # all requests' counts and the steps' timings
+        self.stats = stats if stats is not None else SpecStats()  # all requests' counts and the steps' timings
         self.counters = SchedulerCounters()
         self.on_step: Callable[[int, list[Request]], None] | None = None  # (rows computed, requests running)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._next_id = 0
-        self._baseline = Memory.of(engine)  # what the engine knew before any request (reset_memory)
+        # what the engine knew before any request (reset_memory; a static batch never resets)
+        self._baseline = None if config.static else Memory.of(engine)
         self._reset: threading.Event | None = None  # set once a requested reset is done
         cost = engine.policy.cost
-        if cost is not None and not cost.batch_grid:
+        if cost is not None and not cost.batch_grid and not config.static:
             cost.batch_grid = config.batch_grid
 
     # -- any thread -------------------------------------------------------------------------
@@ -196,7 +208,7 @@ class Scheduler:
         vocab = self.engine.model.config.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise SpecdraftError(f"the prompt has a token id outside the vocabulary (0..{vocab - 1})")
-        total = len(prompt) + config.max_new_tokens
+        total = len(prompt) + (1 if self.config.static else config.max_new_tokens)
         if total > self.row_capacity:
             raise ContextOverflowError(
                 f"the context per request is {self.row_capacity} tokens, but {total} were asked for "
@@ -214,7 +226,7 @@ class Scheduler:
         each start (``Memory``). Only while idle: returns None when requests are in flight, else
         an event set once the scheduler's thread has done it."""
         with self._wake:
-            if self.waiting or self.busy:
+            if self.waiting or self.busy or self._baseline is None:
                 return None
             if self._reset is None:
                 self._reset = threading.Event()
@@ -243,7 +255,7 @@ class Scheduler:
         """One iteration (module doc). Returns whether any request is left."""
         with self._lock:
             reset, self._reset = self._reset, None
-        if reset is not None:
+        if reset is not None and self._baseline is not None:
             self._baseline.restore(self.engine)
             reset.set()
         self._reap()
@@ -258,6 +270,15 @@ class Scheduler:
     def run_until_idle(self) -> None:
         while self.run_once():
             pass
+
+    def close(self) -> None:
+        """Free every slot without events (a caller that stops early, e.g. a closed
+        ``Engine.stream``): the proposer and the policy forget the requests."""
+        with self._lock:
+            held = [r for r in self.rows if r is not None]
+            self.waiting.clear()
+        for r in held:
+            self._free(r)
 
     def fail_all(self, message: str) -> None:
         """End every request with an error (the scheduler cannot go on)."""
@@ -391,9 +412,9 @@ class Scheduler:
         live = [i for i, r in enumerate(self.rows) if r is not None and r.prefill is None and not r.seq.finished]
         if not live:
             return
-        hi = live[-1] + 1
+        hi = len(self.rows) if self.config.static else live[-1] + 1
         rows = [r.seq if r is not None and r.prefill is None and not r.cancelled else None for r in self.rows[:hi]]
-        batch = Batch(rows, self.cache.head(hi), self.last[:hi], static=False)
+        batch = Batch(rows, self.cache.head(hi), self.last[:hi], static=self.config.static)
         events = self.engine.step(batch, self.stats)
         self.cache.lengths[:hi] = batch.cache.lengths
         self.last[:hi] = batch.last
