@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from specdraft.accept import Acceptance, accept
-from specdraft.batching import PREFILL_CHUNK, PREFILL_TOKENS, prefill_groups
+from specdraft.batching import PREFILL_CHUNK, PREFILL_TOKENS, prefill
 from specdraft.draft import Draft, verify_inputs
 from specdraft.errors import ContextOverflowError, SpecdraftError
 from specdraft.metrics import SpecStats
@@ -159,65 +159,15 @@ class Engine:
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence], cache: KVCache, chunk: int = PREFILL_CHUNK,
                 budget: int = PREFILL_TOKENS, features: list[Features] | None = None) -> Tensor:
-        """Feed whole prompts and return the logits after each prompt's last token: [B, V].
-        Rows go in groups of similar length (``prefill_groups``), each group right-padded and in
-        chunks, so that one long prompt does not make every row compute (and hold attention
-        scores for) its length; a group other than the whole batch runs in a cache of its own
-        that is then copied into its rows. ``features`` (a list to fill, one per row): the
-        target's features at every prompt position, with the taps the proposer asked for."""
-        lengths = [len(s.prompt) for s in seqs]
-        groups = prefill_groups(lengths, budget)
+        """Feed whole prompts (``batching.prefill``: groups of similar length, chunked, ragged)
+        and return the logits after each prompt's last token: [B, V]. ``features`` (a list to
+        fill, one per row): the target's features at every prompt position, with the taps the
+        proposer asked for."""
         parts: list[dict[int, list[Tensor]]] | None = None if features is None else [{} for _ in seqs]
-        if len(groups) == 1:
-            logits = self.model.lm_logits(self._prefill_rows(seqs, cache, chunk, parts))
-        else:
-            last_hidden = torch.zeros(len(seqs), self.model.config.hidden_size, dtype=self.model.dtype,
-                                      device=self.model.device)  # [B, H]
-            for rows in groups:
-                part = self.model.new_cache(len(rows), max(lengths[r] for r in rows))
-                mine = None if parts is None else [parts[r] for r in rows]
-                last_hidden[rows] = self._prefill_rows([seqs[r] for r in rows], part, chunk, mine)
-                cache.copy_rows(part, rows)
-            logits = self.model.lm_logits(last_hidden)
+        hidden = prefill(self.model, [s.prompt for s in seqs], cache, chunk, budget, self.wants.taps, parts)
         if features is not None and parts is not None:  # (parts is made exactly when features is given)
             features.extend(joined_features(p) for p in parts)
-        return logits
-
-    def _prefill_rows(self, seqs: list[Sequence], cache: KVCache, chunk: int,
-                      parts: "list[dict[int, list[Tensor]]] | None" = None) -> Tensor:
-        """Right-padded, chunked prefill of every row of ``cache`` (padding rolled back).
-        Returns the final hidden state after each prompt's last token: [B, H]. ``parts``: per
-        row, lists of each chunk's features to fill (key -1: final-norm states; i >= 0: the
-        taps), for ``prefill``'s ``features``."""
-        lengths = [len(s.prompt) for s in seqs]
-        width = max(lengths)
-        padded = torch.zeros(len(seqs), width, dtype=torch.long)  # [B, width]
-        for i, s in enumerate(seqs):
-            padded[i, : len(s.prompt)] = torch.tensor(s.prompt)
-        last_hidden = torch.zeros(len(seqs), self.model.config.hidden_size, dtype=self.model.dtype,
-                                  device=self.model.device)  # [B, H]
-        for start in range(0, width, chunk):
-            self.prefill_chunk(padded, lengths, start, min(chunk, width - start), cache, last_hidden, parts)
-        return last_hidden
-
-    def prefill_chunk(self, padded: Tensor, lengths: list[int], start: int, t: int, cache: KVCache,
-                      last_hidden: Tensor, parts: "list[dict[int, list[Tensor]]] | None" = None) -> None:
-        """Feed prompt positions start..start+t of every row. padded: [B, width] right-padded
-        prompts of ``lengths``; ``cache`` holds each row's positions before ``start``.
-        last_hidden: [B, H], filled for the rows whose last prompt token is in this chunk."""
-        device = self.model.device
-        tokens = padded[:, start : start + t].to(device)  # [B, t]
-        positions = torch.tensor(cache.lengths, device=device)[:, None] + torch.arange(t, device=device)  # [B, t]
-        real = [max(0, min(n, start + t) - start) for n in lengths]  # each row's prompt tokens here
-        out = self.model(tokens, positions, cache, logits=False, prompt=real,
-                         return_hidden=self.wants.taps if parts is not None else ())
-        for i, n in enumerate(lengths):
-            if start <= n - 1 < start + t:
-                last_hidden[i] = out.last_hidden[i, n - 1 - start]
-            if parts is not None and real[i]:
-                for key, states in ((-1, out.last_hidden), *out.hidden.items()):
-                    parts[i].setdefault(key, []).append(states[i, : real[i]])  # [real, H]
-        cache.truncate([min(n, start + t) for n in lengths])
+        return self.model.lm_logits(hidden)
 
     def first_tokens(self, logits: Tensor, seqs: list[Sequence]) -> list[int]:
         """One token per row from the prefill logits: [B, V] -> B ids."""

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from specdraft.batching import PREFILL_CHUNK
+from specdraft.batching import PREFILL_CHUNK, feed_chunk
 from specdraft.engine import Batch, Engine, Memory, StreamEvent, joined_features
 from specdraft.errors import ContextOverflowError, SpecdraftError
 from specdraft.metrics import SpecStats
@@ -136,7 +136,6 @@ class Request:
 class _Prefill:
     """A joining request's prompt, fed in chunks into a cache of its own."""
 
-    padded: Tensor  # [1, P] the prompt ids
     cache: KVCache  # [1 row, P positions]
     last_hidden: Tensor  # [1, H]
     parts: list[dict[int, list[Tensor]]] | None  # the prompt's features, when the proposer wants them
@@ -340,7 +339,7 @@ class Scheduler:
             n = len(r.seq.prompt)
             model = self.engine.model
             parts = [{}] if self.engine.wants.prompt else None
-            r.prefill = _Prefill(torch.tensor([r.seq.prompt], dtype=torch.long), model.new_cache(1, n),
+            r.prefill = _Prefill(model.new_cache(1, n),
                                  torch.zeros(1, model.config.hidden_size, dtype=model.dtype, device=model.device),
                                  parts)
             self.engine.proposer.begin(r.slot, r.seq)
@@ -357,7 +356,8 @@ class Scheduler:
             n = len(r.seq.prompt)
             while p.fed < n and budget > 0:
                 t = min(self.config.prefill_chunk, n - p.fed)
-                self.engine.prefill_chunk(p.padded, [n], p.fed, t, p.cache, p.last_hidden, p.parts)
+                feed_chunk(self.engine.model, [r.seq.prompt], p.fed, t, p.cache, p.last_hidden, [False],
+                           self.engine.wants.taps, p.parts)
                 p.fed += t
                 budget -= t
                 self.counters.prefill_tokens += t

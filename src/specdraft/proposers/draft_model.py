@@ -5,11 +5,11 @@ and values of a prefix of that row's ``seq.tokens``. At each ``propose``:
 
 1. catch up: feed the tokens the draft has not seen (a row's prompt and first token the first
    time; afterwards the bonus token, after the last drafted token when the whole chain was
-   accepted), in one right-padded, ragged batch (in chunks, like the engine's prefill),
-   keeping each row's real tokens only. Fresh rows (nothing cached yet) whose backlogs differ
-   in length are fed first, in groups of similar length in caches of their own that are then
-   copied in (``prefill_groups``, as the engine's prefill), so that one long prompt does not
-   make every row compute its length;
+   accepted), through the engine's own chunked, ragged prefill (``batching.feed``), keeping
+   each row's real tokens only. Fresh rows (nothing cached yet) whose backlogs differ in
+   length are fed first, in groups of similar length in caches of their own that are then
+   copied in (``batching.feed_group``), so that one long prompt does not make every row
+   compute its length;
 2. draft the chains, one forward per level for all rows (:mod:`.autoregressive`).
 
 ``observe`` rolls the row back to its context plus the drafted tokens that were accepted; the
@@ -37,7 +37,7 @@ from torch import Tensor
 
 from specdraft.accept import Acceptance
 from specdraft.draft import Draft
-from specdraft.batching import PREFILL_TOKENS, prefill_groups
+from specdraft.batching import PREFILL_CHUNK, PREFILL_TOKENS, feed, feed_group, prefill_groups
 from specdraft.errors import SpecdraftError, VocabularyMismatchError
 from specdraft.model.kv_cache import KVCache
 from specdraft.model.linear import Linear
@@ -48,7 +48,7 @@ from specdraft.proposers.base import ProposerContext, Verified, move_key
 from specdraft.sequence import Sequence
 
 DRAFT_DTYPES = ("float32", "bfloat16", "float16")
-CATCH_UP_CHUNK = 512  # tokens per forward when catching up (as the engine's prefill chunks)
+CATCH_UP_CHUNK = PREFILL_CHUNK  # tokens per forward when catching up (the engine's prefill chunks)
 SETUP_MIN_TOKENS = 64  # backlogs shorter than this are part of an ordinary step (ProposeCost)
 
 
@@ -212,53 +212,13 @@ class DraftModelProposer:
         groups = [[fresh[i] for i in g] for g in prefill_groups([len(todo[r]) for r in fresh], self.group_tokens)]
         if len(groups) > 1 or (fresh and len(fresh) < sum(1 for t in todo if t)):
             for rows in groups:  # in a cache of their own, then copied in
-                self._feed_group(cache, rows, todo, hidden, done)
+                feed_group(self.draft, todo, rows, cache, CATCH_UP_CHUNK, hidden, done)
             todo = [[] if r in fresh else t for r, t in enumerate(todo)]
-        self._feed(cache, todo, hidden, done)
+        feed(self.draft, todo, cache, CATCH_UP_CHUNK, hidden, done)
         if longest >= SETUP_MIN_TOKENS:  # a real prefill (not many rows' few tokens each)
             self.setup_spent = time.perf_counter() - t0
             self.seconds_per_token = self.setup_spent / fed
         return self.draft.lm_logits(hidden), done
-
-    def _feed_group(self, cache: KVCache, rows: list[int], todo: list[list[int]], hidden: Tensor,
-                    done: list[bool]) -> None:
-        """Catch up fresh ``rows`` in a cache of their own, then copy it into theirs."""
-        part = self.draft.new_cache(len(rows), min(cache.capacity, max(len(todo[r]) for r in rows)))
-        part_hidden = torch.zeros(len(rows), hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)  # [G, H]
-        part_done = [False] * len(rows)
-        self._feed(part, [todo[r] for r in rows], part_hidden, part_done)
-        cache.copy_rows(part, rows)
-        hidden[rows] = part_hidden
-        for r, ok in zip(rows, part_done):
-            done[r] = ok
-
-    def _feed(self, cache: KVCache, todo: list[list[int]], hidden: Tensor, done: list[bool]) -> None:
-        """Feed every row's backlog ``todo[row]`` in right-padded chunks (see ``_feed_chunk``)."""
-        start = 0
-        while any(len(t) > start for t in todo):
-            width = min(CATCH_UP_CHUNK, max(len(t) for t in todo) - start, cache.capacity - max(cache.lengths))
-            if width < 1:
-                break
-            self._feed_chunk(cache, todo, start, width, hidden, done)
-            start += width
-
-    def _feed_chunk(self, cache: KVCache, todo: list[list[int]], start: int, width: int, hidden: Tensor,
-                    done: list[bool]) -> None:
-        """Feed tokens start..start+width of every row's backlog; note the hidden state after
-        each backlog's last token (hidden: [B, H])."""
-        device = self.draft.device
-        tokens = torch.zeros(len(todo), width, dtype=torch.long)  # [B, width]
-        for r, t in enumerate(todo):
-            part = t[start : start + width]
-            tokens[r, : len(part)] = torch.tensor(part, dtype=torch.long)
-        before = list(cache.lengths)
-        positions = cache.lengths_tensor()[:, None] + torch.arange(width, device=device)  # [B, width]
-        out = self.draft(tokens.to(device), positions, cache, logits=False)
-        for r, t in enumerate(todo):
-            if start < len(t) <= start + width:
-                hidden[r] = out.last_hidden[r, len(t) - 1 - start]
-                done[r] = True
-        cache.truncate([n + max(0, min(width, len(t) - start)) for n, t in zip(before, todo)])
 
     # -- feedback -----------------------------------------------------------------------------
     def observe(self, row: int, draft: Draft, acceptance: Acceptance, verified: Verified) -> None:
