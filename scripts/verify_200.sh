@@ -5,11 +5,18 @@
 # (results/verify/<method>-<mode>.progress.jsonl) and a rerun resumes there, so the whole set
 # (hours on 2 cores) can span sessions: commit the journals as they grow.
 #   METHODS="mtp eagle" MODES=float32 bash scripts/verify_200.sh
+# OPTS: method options for every run (--opt each), TAG: a name part for their reports, e.g. the
+# trained heads' chains instead of their dynamic trees:
+#   OPTS="topk=1" TAG=chain METHODS="eagle mtp medusa" bash scripts/verify_200.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 METHODS=${METHODS:-"mtp eagle medusa layer-skip ngram suffix lookahead rest draft"}
 MODES=${MODES:-"float32 bfloat16-invariant"}
 LIMIT=${LIMIT:-200}
+OPTS=${OPTS:-}
+TAG=${TAG:+-$TAG}
+opts=()
+for o in $OPTS; do opts+=(--opt "$o"); done
 for mode in $MODES; do
   case $mode in
     float32) flags=(--dtype float32) ;;
@@ -20,8 +27,8 @@ for mode in $MODES; do
   for method in $METHODS; do
     k=8
     [ "$method" = draft ] && k=4  # a separate draft model: k = 4 keeps the run near 3 hours
-    echo "== $method $mode"
-    .venv/bin/specdraft verify --method "$method" --k "$k" --limit "$LIMIT" "${flags[@]}" \
-      --out "results/verify/$method-$mode.json" | tail -n 6 || echo "!! $method $mode: not all identical (or stopped)"
+    echo "== $method$TAG $mode"
+    .venv/bin/specdraft verify --method "$method" --k "$k" --limit "$LIMIT" "${flags[@]}" ${opts[@]+"${opts[@]}"} \
+      --out "results/verify/$method$TAG-$mode.json" | tail -n 6 || echo "!! $method$TAG $mode: not all identical (or stopped)"
   done
 done
