@@ -335,9 +335,12 @@ def flat_draft(target: torch.nn.Module) -> torch.nn.Module:
     return draft
 
 
-def test_sampled_siblings_are_lossless_through_the_engine(sibling_setup, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
-    """branches=3: three candidates drawn from p_draft at the first position; the sampler that
-    skips the residual between them must be caught."""
+@pytest.mark.parametrize("distinct", [True, False], ids=["without-replacement", "with-replacement"])
+def test_sampled_siblings_are_lossless_through_the_engine(sibling_setup, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+                                                          distinct: bool) -> None:
+    """branches=3: three candidates drawn from p_draft at the first position, without replacement
+    (the default) or independently; the sampler that skips the residual between them must be
+    caught."""
     draft = flat_draft(sibling_setup[0])
-    check_siblings_lossless(sibling_setup, lambda model, _t: DraftModelProposer(draft, model.config.vocab_size, 3, 4), 4,
-                            monkeypatch)
+    check_siblings_lossless(sibling_setup, lambda model, _t: DraftModelProposer(draft, model.config.vocab_size, 3, 4,
+                                                                                  distinct=distinct), 4, monkeypatch)

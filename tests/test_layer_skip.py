@@ -234,7 +234,28 @@ def test_sweep_speedup_estimate() -> None:
     assert rows[0]["cost_fraction_with_head"] == pytest.approx(0.2 + 0.8 * 0.5)
 
 
-def test_sampled_siblings_are_lossless_through_the_engine(sibling_setup, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
-    """branches=3 from the first layer: later candidates are often accepted; the sampler that
-    skips the residual between them must be caught."""
-    check_siblings_lossless(sibling_setup, lambda model, _t: LayerSkipProposer(model, 1, branches=3), 4, monkeypatch)
+@pytest.mark.parametrize("distinct", [True, False], ids=["without-replacement", "with-replacement"])
+def test_sampled_siblings_are_lossless_through_the_engine(sibling_setup, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+                                                          distinct: bool) -> None:
+    """branches=3 from the first layer, the siblings drawn without replacement (the default) or
+    independently: later candidates are often accepted; the sampler that skips the residual
+    between them must be caught."""
+    check_siblings_lossless(sibling_setup, lambda model, _t: LayerSkipProposer(model, 1, branches=3, distinct=distinct),
+                            4, monkeypatch)
+
+
+def test_siblings_without_replacement_are_distinct_and_carry_their_own_distribution() -> None:
+    from specdraft.proposers.autoregressive import _without_replacement
+
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        tokens, dists = _without_replacement(p, 3, g)
+        assert len(set(tokens)) == 3 and 4 not in tokens
+        for i, (t, q) in enumerate(zip(tokens, dists)):
+            assert q.sum().item() == pytest.approx(1.0) and q[t] > 0
+            assert all(q[earlier] == 0 for earlier in tokens[:i])  # the i-th is drawn without the earlier ones
+        assert torch.allclose(dists[0], p)
+    assert len(_without_replacement(torch.tensor([0.6, 0.4, 0.0]), 3, g)[0]) == 2  # only two tokens have mass
+    firsts = [tuple(_without_replacement(p, 2, g)[0]) for _ in range(4000)]
+    assert firsts.count((1, 0)) / 4000 == pytest.approx(0.3 * 0.5 / 0.7, abs=0.03)  # successive sampling

@@ -10,8 +10,13 @@ last committed token), with the cache holding the row's context up to and includ
   and continues the first of them as a chain, n nodes in all (b = 1: a plain chain);
 - greedy rows take the drafter's top tokens (deterministic: ``p_draft`` None);
 - sampled rows draw every token from ``probabilities(drafter logits, row sampling)`` with the
-  row's generator (first-position candidates are independent draws) and record that
-  distribution as the node's ``p_draft`` row, padded to the target's vocabulary width.
+  row's generator and record the distribution each was drawn from as the node's ``p_draft``
+  row, padded to the target's vocabulary width. First-position candidates are distinct by
+  default (``distinct``: drawn without replacement, the i-th from the distribution with the
+  earlier ones removed and renormalised, which is its ``p_draft``), else independent draws (so
+  the same token may come twice). The acceptance's residual update is exact for both: after a
+  rejected sibling the target's residual is zero where that token was, so removing it from the
+  next sibling's distribution loses nothing.
 
 The chain's nodes come first in the draft (node i at depth i + 1), the other first-position
 candidates after them, so the KV the drafter wrote for the chain (all but its last node) sits
@@ -106,16 +111,17 @@ def plan_rows(seqs: Seq[Sequence | None], budgets: Seq[int], branches: int) -> l
 
 def draft_chains(
     drafter: StepDrafter, root_logits: Tensor, seqs: Seq[Sequence | None], budgets: Seq[int], branches: int, vocab: int,
-    stop_below: float = 0.0,
+    stop_below: float = 0.0, distinct: bool = True,
 ) -> Drafted:
     """Draft every row's chain (see the module doc). root_logits: [B, V_draft], the drafter's
     logits after each row's root. ``vocab``: the target's logits width (for ``p_draft``).
-    ``stop_below``: the confidence stop (module doc; 0 = none)."""
+    ``stop_below``: the confidence stop (module doc; 0 = none). ``distinct``: sampled
+    first-position candidates without replacement (module doc)."""
     rows = plan_rows(seqs, budgets, branches)
     depth = max((r.depth for r in rows if r is not None), default=0)
     if depth:
         _stop_unsure(rows, root_logits, 0, stop_below)
-        _first_level(rows, seqs, root_logits)
+        _first_level(rows, seqs, root_logits, distinct)
     for level in range(1, depth):
         if not any(r is not None and r.depth > level for r in rows):
             break  # every row stopped
@@ -138,8 +144,8 @@ def _stop_unsure(rows: list[_Row | None], logits: Tensor, level: int, stop_below
             row.depth = level
 
 
-def _first_level(rows: list[_Row | None], seqs: Seq[Sequence | None], logits: Tensor) -> None:
-    """The first position: top candidates (greedy) or independent draws (sampled)."""
+def _first_level(rows: list[_Row | None], seqs: Seq[Sequence | None], logits: Tensor, distinct: bool = True) -> None:
+    """The first position: top candidates (greedy) or draws (sampled: distinct, or independent)."""
     widest = max(r.branches for r in rows if r is not None)
     top = logits.topk(widest, dim=-1).indices.tolist()  # [B, widest]
     for i, (row, seq) in enumerate(zip(rows, seqs)):
@@ -149,11 +155,32 @@ def _first_level(rows: list[_Row | None], seqs: Seq[Sequence | None], logits: Te
             tokens = top[i][: row.branches]
         else:
             p = probabilities(logits[i], seq.sampling)  # [V_draft]
-            tokens = torch.multinomial(p, row.branches, replacement=True, generator=seq.generator).tolist()
-            row.p_chain.append(p)
-            row.p_extra.extend([p] * (row.branches - 1))
+            if distinct:
+                tokens, dists = _without_replacement(p, row.branches, seq.generator)
+            else:
+                tokens = torch.multinomial(p, row.branches, replacement=True, generator=seq.generator).tolist()
+                dists = [p] * row.branches
+            row.p_chain.append(dists[0])
+            row.p_extra.extend(dists[1:])
         row.chain.append(tokens[0])
         row.extra.extend(tokens[1:])
+
+
+def _without_replacement(p: Tensor, n: int, generator: torch.Generator | None) -> tuple[list[int], list[Tensor]]:
+    """Up to n distinct tokens drawn one after another from p ([V]), each from p with the
+    earlier ones removed and renormalised; returns the tokens and those distributions ([V]
+    each). Fewer than n where p has fewer tokens with mass."""
+    tokens: list[int] = []
+    dists: list[Tensor] = []
+    q = p.float()
+    for _ in range(min(n, int((p > 0).sum()))):
+        q = q / q.sum()
+        token = int(torch.multinomial(q, 1, generator=generator))
+        tokens.append(token)
+        dists.append(q)
+        q = q.clone()
+        q[token] = 0.0
+    return tokens, dists
 
 
 def _next_level(rows: list[_Row | None], seqs: Seq[Sequence | None], logits: Tensor, level: int) -> None:

@@ -57,11 +57,14 @@ class DraftModelConfig:
     """path: the draft model, a GGUF file or a Hugging Face folder with the target's vocabulary
     (required). dtype: the draft's weights and cache (float32, bfloat16 or float16; its
     precision does not affect the output). branches: candidates at the first draft position
-    (1 = a chain; b > 1 = a tree whose first candidate continues as the chain)."""
+    (1 = a chain; b > 1 = a tree whose first candidate continues as the chain). distinct: a
+    sampled row's first-position candidates are drawn without replacement (False: independent
+    draws, which may repeat)."""
 
     path: str = ""
     dtype: str = "float32"
     branches: int = 1
+    distinct: bool = True
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -85,10 +88,11 @@ class DraftModelProposer:
     name = "draft"
 
     def __init__(self, draft: Transformer, vocab: int, branches: int = 1, max_draft: int = 8,
-                 group_tokens: int = PREFILL_TOKENS) -> None:
+                 group_tokens: int = PREFILL_TOKENS, distinct: bool = True) -> None:
         """draft: the draft model; vocab: the target's logits width; max_draft: the longest draft
         the policy asks for (sizes the cache); group_tokens: the padded-token budget of a group
-        of fresh rows caught up together (``prefill_groups``)."""
+        of fresh rows caught up together (``prefill_groups``); distinct: sampled first-position
+        candidates without replacement (``autoregressive``)."""
         if draft.config.vocab_size > vocab:
             raise VocabularyMismatchError(
                 f"the draft model has {draft.config.vocab_size} logits, more than the target's {vocab}"
@@ -96,6 +100,7 @@ class DraftModelProposer:
         self.draft = draft
         self.vocab = vocab
         self.branches = branches
+        self.distinct = distinct
         self.max_draft = max_draft
         self.group_tokens = group_tokens
         self.cache: KVCache | None = None
@@ -175,7 +180,8 @@ class DraftModelProposer:
         room = cache_d.capacity - max(cache_d.lengths)  # positions the level forwards may append
         budgets = [min(b, room + 1) for b in budgets]
         root_len = list(cache_d.lengths)
-        drafted = draft_chains(Drafter(self.draft, cache_d), root_logits, active, budgets, self.branches, self.vocab)
+        drafted = draft_chains(Drafter(self.draft, cache_d), root_logits, active, budgets, self.branches, self.vocab,
+                               distinct=self.distinct)
         cache_d.truncate([n + fed for n, fed in zip(root_len, drafted.fed)])
         if cache_d is not self.cache:  # a view of the first rows: its lengths go back to the cache
             assert self.cache is not None
@@ -259,4 +265,5 @@ def make_draft_proposer(config: DraftModelConfig, context: ProposerContext | Non
         raise SpecdraftError("method 'draft' needs the target model (a ProposerContext)")
     loaded = load(config.path, dtype=config.dtype, device=context.target.device)
     check_draft(loaded, context)
-    return DraftModelProposer(loaded.model, context.target.config.vocab_size, config.branches, context.max_draft)
+    return DraftModelProposer(loaded.model, context.target.config.vocab_size, config.branches, context.max_draft,
+                              distinct=config.distinct)

@@ -57,7 +57,8 @@ class LayerSkipConfig:
     sets ``layers`` to its exit layer. full_vocab: draft over the whole vocabulary even where the
     adapter has a reduced draft vocabulary (slower drafts; for comparison). stop_below:
     Kangaroo's confidence stop, a chain ends where the exit's top probability for the next token
-    falls below it (0 = draft the whole budget)."""
+    falls below it (0 = draft the whole budget). distinct: a sampled row's first-position
+    candidates are drawn without replacement (False: independent draws, which may repeat)."""
 
     layers: int = DEFAULT_LAYERS
     branches: int = 1
@@ -65,6 +66,7 @@ class LayerSkipConfig:
     adapter: str = ""  # a trained adapter folder; "" = the one shipped for the model, if any; "none" = untrained
     full_vocab: bool = False
     stop_below: float = 0.0
+    distinct: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.stop_below, (int, float)) or not 0.0 <= self.stop_below < 1.0:
@@ -81,7 +83,8 @@ class LayerSkipProposer:
     name = "layer-skip"
 
     def __init__(self, target: Transformer, layers: int, branches: int = 1, last: int = 0,
-                 adapter: ExitAdapter | None = None, full_vocab: bool = False, stop_below: float = 0.0) -> None:
+                 adapter: ExitAdapter | None = None, full_vocab: bool = False, stop_below: float = 0.0,
+                 distinct: bool = True) -> None:
         total = target.config.num_layers
         if adapter is not None and (last or adapter.config.exit_layer != layers):
             raise SpecdraftError(f"layer-skip: the adapter exits after layer {adapter.config.exit_layer}; "
@@ -95,6 +98,7 @@ class LayerSkipProposer:
         self.layers = layers
         self.branches = branches
         self.stop_below = float(stop_below)
+        self.distinct = distinct
         self.layer_ids = (*range(layers), *range(total - last, total))  # the layers that draft
         self.adapter = None if adapter is None else adapter.to(device=target.device, dtype=target.dtype).eval()
         vocab = None if adapter is None or full_vocab else adapter.vocab
@@ -132,7 +136,8 @@ class LayerSkipProposer:
         try:
             root_logits = drafter.step([s.tokens[-1] if s is not None else 0 for s in seqs])  # [B, V]
             vocab = self.target.config.vocab_size
-            return draft_chains(drafter, root_logits, seqs, budgets, self.branches, vocab, self.stop_below).drafts
+            return draft_chains(drafter, root_logits, seqs, budgets, self.branches, vocab, self.stop_below,
+                                self.distinct).drafts
         finally:
             cache.truncate(committed)
 
@@ -227,4 +232,4 @@ def make_layer_skip_proposer(config: LayerSkipConfig, context: ProposerContext |
         if shipped is not None and layers in (DEFAULT_LAYERS, shipped.config.exit_layer):
             adapter, layers = shipped, shipped.config.exit_layer
     return LayerSkipProposer(context.target, layers, config.branches, config.last, adapter, config.full_vocab,
-                             config.stop_below)
+                             config.stop_below, config.distinct)
