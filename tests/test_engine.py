@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from specdraft.batching import prefill_groups
+from specdraft.batching import prefill, prefill_groups
 from specdraft.engine import Engine
 from specdraft.errors import ContextOverflowError, SpecdraftError
 from specdraft.model.loader import load
@@ -130,18 +130,18 @@ def test_prefill_groups_cover_every_row_within_budget(lengths, budget):
     assert firsts == sorted(firsts, reverse=True)
 
 
-def test_grouped_prefill_equals_one_padded_batch(tiny, engine):
+def test_grouped_prefill_equals_one_padded_batch(tiny):
     """Rows prefilled in groups (each in its own cache, copied in) get the logits and cache
     contents of one right-padded batch, and the same committed lengths."""
     prompts = encode(tiny, [p * 3 for p in PROMPTS])
-    cfg = GenerationConfig(max_new_tokens=4)
     results = []
     pairs = 2 * max(len(p) for p in prompts)
     assert [len(g) for g in prefill_groups([len(p) for p in prompts], pairs)] == [2, 2]
+    capacity = max(map(len, prompts)) + 4
     for budget in (10**9, 1, pairs):  # one group; every row alone; two groups of two
-        seqs, cache = engine.start(prompts, cfg, [Sampling()] * len(prompts))
+        cache = tiny.model.new_cache(len(prompts), capacity)
         with torch.inference_mode():
-            logits = engine.prefill(seqs, cache, chunk=8, budget=budget)  # [B, V]
+            logits = tiny.model.lm_logits(prefill(tiny.model, prompts, cache, chunk=8, budget=budget))  # [B, V]
         results.append((logits, cache))
     (one, c1), *others = results
     for grouped, c2 in others:

@@ -12,7 +12,8 @@ import torch
 
 from specdraft.accept import Acceptance
 from specdraft.draft import Draft
-from specdraft.engine import Engine
+from specdraft.batching import prefill
+from specdraft.engine import Engine, joined_features
 from specdraft.model.loader import LoadedModel, load
 from specdraft.policy import Policy, PolicyConfig
 from specdraft.proposers import METHODS, make_proposer
@@ -77,11 +78,12 @@ def prompts(loaded: LoadedModel) -> list[list[int]]:
 
 
 def test_prefill_features_cover_every_prompt_position_in_groups_and_chunks(tiny: LoadedModel) -> None:
-    engine = Engine(tiny.model, tiny.tokenizer, Recorder())
     batch = prompts(tiny)
-    seqs, cache = engine.start(batch, GenerationConfig(max_new_tokens=4))
-    features: list[Features] = []
-    engine.prefill(seqs, cache, chunk=5, budget=24, features=features)  # several groups, several chunks
+    cache = tiny.model.new_cache(len(batch), max(map(len, batch)) + 4)
+    parts: list[dict[int, list[torch.Tensor]]] = [{} for _ in batch]
+    with torch.inference_mode():  # several groups, several chunks
+        prefill(tiny.model, batch, cache, chunk=5, budget=24, taps=feature_request(Recorder()).taps, parts=parts)
+    features = [joined_features(p) for p in parts]
     assert len(features) == len(batch)
     for f, p in zip(features, batch):
         last, taps = direct(tiny, p)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specdraft.batching import prefill
 from specdraft.bench.layer_sweep import add_estimates
 from specdraft.engine import Engine
 from specdraft.errors import SpecdraftError
@@ -22,7 +23,6 @@ from specdraft.model.transformer import Transformer
 from specdraft.proposers import make_proposer
 from specdraft.proposers.base import ProposerContext
 from specdraft.proposers.layer_skip import LayerSkipConfig, LayerSkipProposer
-from specdraft.sampling import Sampling
 from specdraft.sequence import GenerationConfig, Sequence
 from test_accept import _engine_lossless_check, check_siblings_lossless, sampled_setup, sibling_setup  # noqa: F401  (fixtures)
 from test_draft_model import Setup, engine
@@ -92,10 +92,12 @@ def early_exit_greedy(model: Transformer, tokens: list[int], layers: int, n: int
 
 def prefilled(setup: Setup) -> tuple[list[Sequence], KVCache]:
     """The setup's prompts prefilled by the engine, each with its first token appended."""
-    eng = Engine(setup.target.model, setup.target.tokenizer)
-    seqs, cache = eng.start(setup.prompts, GEN, [Sampling()] * len(setup.prompts))
+    model, tokenizer = setup.target.model, setup.target.tokenizer
+    seqs = [Sequence(prompt=list(p), config=GEN, tokenizer=tokenizer, capacity=len(p) + GEN.max_new_tokens + 1)
+            for p in setup.prompts]
+    cache = model.new_cache(len(seqs), max(map(len, setup.prompts)) + GEN.max_new_tokens + 1)
     with torch.inference_mode():
-        first = eng.first_tokens(eng.prefill(seqs, cache), seqs)
+        first = model.lm_logits(prefill(model, setup.prompts, cache)).argmax(-1).tolist()  # [B] greedy
     for s, tok in zip(seqs, first):
         s.append([tok])
     return seqs, cache

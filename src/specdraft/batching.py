@@ -1,6 +1,6 @@
-"""How prompts are fed: one chunked, ragged prefill shared by the engine (``Engine.prefill``),
-the scheduler (a joining prompt, one chunk at a time) and the draft model's catch-up (each
-row's backlog after its cached positions), with chunk sizes and groups of similar length.
+"""How prompts are fed: one chunked, ragged prefill shared by the scheduler (a joining prompt,
+one chunk at a time) and the draft model's catch-up (each row's backlog after its cached
+positions), with chunk sizes and groups of similar length.
 
 Rows are right-padded to the longest one in a chunk; each row's tokens go after its own cached
 positions, and the cache then keeps only its real ones. ``hidden[r]`` gets the final hidden

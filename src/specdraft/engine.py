@@ -15,7 +15,6 @@ import torch
 from torch import Tensor
 
 from specdraft.accept import Acceptance, accept
-from specdraft.batching import PREFILL_CHUNK, PREFILL_TOKENS, prefill
 from specdraft.draft import Draft, verify_inputs
 from specdraft.errors import ContextOverflowError, SpecdraftError
 from specdraft.metrics import SpecStats
@@ -24,7 +23,7 @@ from specdraft.model.tokenizer import Tokenizer
 from specdraft.model.transformer import ModelOutput, Transformer
 from specdraft.policy import Plan, Policy, PolicyConfig
 from specdraft.proposers.base import Features, NoDraft, Proposer, Verified, feature_request
-from specdraft.sampling import GREEDY, Sampling, make_generator, next_tokens
+from specdraft.sampling import GREEDY, Sampling, next_tokens
 from specdraft.sequence import GenerationConfig, Sequence
 
 
@@ -134,40 +133,6 @@ class Engine:
                 raise SpecdraftError(f"prompt {i} has a token id outside the vocabulary")
         longest = max(len(p) for p in prompts)
         return samplings, min(limit, longest + config.max_new_tokens + self.draft_headroom + 1)
-
-    def start(
-        self, prompts: Seq[Seq[int]], config: GenerationConfig, sampling: Sampling | Seq[Sampling] = GREEDY
-    ) -> tuple[list[Sequence], KVCache]:
-        """Validate prompts and build the sequences and a cache sized for them (for a caller that
-        runs ``prefill`` and ``step`` itself)."""
-        samplings, capacity = self.check(prompts, config, sampling)
-        limit = self.model.config.max_context
-        seqs = [
-            Sequence(
-                prompt=list(p),
-                config=config,
-                tokenizer=self.tokenizer,
-                sampling=s,
-                generator=None if s.greedy else make_generator(s, self.model.device),
-                capacity=min(limit, len(p) + config.max_new_tokens + 1),
-            )
-            for p, s in zip(prompts, samplings)
-        ]
-        return seqs, self.model.new_cache(len(prompts), capacity)
-
-    # -- prefill ----------------------------------------------------------------------------
-    @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence], cache: KVCache, chunk: int = PREFILL_CHUNK,
-                budget: int = PREFILL_TOKENS, features: list[Features] | None = None) -> Tensor:
-        """Feed whole prompts (``batching.prefill``: groups of similar length, chunked, ragged)
-        and return the logits after each prompt's last token: [B, V]. ``features`` (a list to
-        fill, one per row): the target's features at every prompt position, with the taps the
-        proposer asked for."""
-        parts: list[dict[int, list[Tensor]]] | None = None if features is None else [{} for _ in seqs]
-        hidden = prefill(self.model, [s.prompt for s in seqs], cache, chunk, budget, self.wants.taps, parts)
-        if features is not None and parts is not None:  # (parts is made exactly when features is given)
-            features.extend(joined_features(p) for p in parts)
-        return self.model.lm_logits(hidden)
 
     def first_tokens(self, logits: Tensor, seqs: list[Sequence]) -> list[int]:
         """One token per row from the prefill logits: [B, V] -> B ids."""
