@@ -195,6 +195,35 @@ def test_limits_refuse_with_one_line_errors(tiny):
         SchedulerConfig(max_batch=0)
 
 
+def test_tokens_in_flight_bound_the_requests_in_slots_and_the_oldest_waits_first(tiny):
+    """Two requests claiming L and S positions run together, a third claiming L waits (free slots
+    notwithstanding) and a later short one does not overtake it; everyone finishes with what it
+    would get alone."""
+    engine = Engine(tiny.model, tiny.tokenizer)
+    p = prompts(tiny)[0]
+    long, short = GenerationConfig(max_new_tokens=15, ignore_eos=True), GenerationConfig(max_new_tokens=5, ignore_eos=True)
+    big, small = len(p) + 16, len(p) + 6  # each claims its prompt, its new tokens and one more
+    room = big + small + 4  # L + S fit, L + L do not, L + S + anything do not
+    subs = [(0, p, long, Sampling()), (0, p, short, Sampling()), (0, p, long, Sampling()), (0, p, short, Sampling())]
+    alone = {id(c): Engine(tiny.model, tiny.tokenizer).generate([p], c)[0].tokens for c in (long, short)}
+    scheduler = Scheduler(engine, SchedulerConfig(max_batch=4, row_capacity=big, max_tokens_in_flight=room))
+    claimed: list[int] = []
+    held: list[list[int]] = []
+    scheduler.on_step = lambda rows, running: (claimed.append(scheduler.tokens_in_flight),
+                                               held.append(sorted(r.id for r in scheduler.rows if r is not None)))
+    requests, events = run(scheduler, subs)
+    assert [r.seq.capacity for r in requests] == [big, small, big, small]
+    assert max(claimed) <= room and held[0] == [0, 1]  # the third does not fit beside the first two
+    third = next(i for i, h in enumerate(held) if 2 in h)
+    assert held[third - 1] == [0]  # the second had finished; the fourth (which fit) did not overtake the third
+    assert 0 not in held[third] and 3 in held[third]  # the third took the first's room, then the fourth fit
+    for r, (_, _, cfg, _) in zip(requests, subs):
+        assert r.seq.output == alone[id(cfg)] and r.seq.finish_reason == "length"
+    with pytest.raises(SpecdraftError, match="at least one request's context"):
+        Scheduler(engine, SchedulerConfig(max_batch=4, row_capacity=big, max_tokens_in_flight=big - 1))
+    assert Scheduler(engine, SchedulerConfig(max_batch=2, row_capacity=24)).max_tokens_in_flight == 48
+
+
 def test_cost_model_prices_a_batch_at_the_next_grid_size():
     cost = CostModel(table={1: {1: 1.0, 9: 2.0}, 4: {1: 3.0, 9: 4.0}}, batch_grid=(1, 4))
     assert cost.latency(3, 1, 9) == 3.0 and cost.latency(4, 9, 9) == 4.0 and cost.latency(1, 9, 9) == 2.0

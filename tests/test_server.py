@@ -283,11 +283,17 @@ def test_a_non_streamed_client_that_disconnects_frees_its_row(server: Server):
 
 
 def test_an_overloaded_server_answers_503(tiny_long: Path):
-    s = Server(tiny_long, "--max-batch", "1", "--max-queue", "1", "--context", "4096")
+    """Two slots, but room for one request's tokens in flight: one runs, one waits, the rest
+    are refused."""
+    s = Server(tiny_long, "--max-batch", "2", "--max-tokens-in-flight", "4096", "--max-queue", "1", "--context", "4096")
     try:
         client = s.client()
         with ThreadPoolExecutor(4) as pool:
-            futures = [pool.submit(complete, client, PROMPTS[0], 2000, temperature=0) for _ in range(4)]
+            futures = [pool.submit(complete, client, PROMPTS[0], 2100, temperature=0) for _ in range(4)]
+            assert wait_for(lambda: s.metrics()["specdraft_waiting_requests"] == 1)
+            m = s.metrics()
+            assert m["specdraft_running_requests"] + m["specdraft_prefilling_requests"] == 1
+            assert 2100 < m["specdraft_tokens_in_flight"] <= m["specdraft_max_tokens_in_flight"] == 4096
             outcomes = []
             for f in futures:
                 try:

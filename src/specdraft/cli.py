@@ -197,6 +197,10 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--context", type=int, default=None,
                    help="tokens per request, prompt + output (default: the model's context, at most 2048); "
                         "the KV cache holds max-batch x context positions")
+    g.add_argument("--max-tokens-in-flight", type=int, default=None,
+                   help="the most positions the running requests may claim together (each its prompt plus its "
+                        "max_tokens); a request waits for room past it, so many short requests run together where "
+                        "few long ones would (default: max-batch x context; at least one context)")
     g.add_argument("--prefill-tokens", type=int, default=512,
                    help="prompt tokens fed between two decode steps: more gives new requests their first token "
                         "sooner, fewer keeps the running requests' tokens flowing (default: 512)")
@@ -247,14 +251,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specdraft.server.main import ServeConfig, serve
 
     for flag, value, least in (("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 1),
-                               ("--prefill-tokens", args.prefill_tokens, 1), ("--context", args.context, 2)):
+                               ("--prefill-tokens", args.prefill_tokens, 1), ("--context", args.context, 2),
+                               ("--max-tokens-in-flight", args.max_tokens_in_flight, 2)):
         if value is not None and value < least:
             raise SpecdraftError(f"{flag} must be >= {least}, got {value}")
     _set_threads(args.threads)
     cfg = ServeConfig(model=args.model, method=args.method, k=args.k, policy=args.policy,
                       options=tuple(_options(args.opt).items()), dtype=args.dtype, device=args.device,
                       batch_invariant=args.batch_invariant, max_batch=args.max_batch, max_queue=args.max_queue,
-                      context=args.context, prefill_tokens=args.prefill_tokens, host=args.host, port=args.port, served_name=args.served_model_name,
+                      context=args.context, max_tokens_in_flight=args.max_tokens_in_flight,
+                      prefill_tokens=args.prefill_tokens, host=args.host, port=args.port, served_name=args.served_model_name,
                       log_level=args.log_level, shutdown_timeout=args.shutdown_timeout,
                       allow_reset=args.allow_reset)
     return serve(cfg)

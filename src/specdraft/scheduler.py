@@ -5,8 +5,9 @@ The scheduler owns a cache of ``max_batch`` slots of ``row_capacity`` positions 
 iteration (``run_once``) it
 
 1. frees the slots of finished and cancelled requests (the next step no longer runs them);
-2. gives free slots to waiting requests, oldest first (``max_queue`` may wait; past that,
-   ``submit`` refuses with ``Overloaded``);
+2. gives free slots to waiting requests, oldest first, while the positions they claim (prompt
+   and ``max_new_tokens``, at most a slot) fit ``max_tokens_in_flight`` (``max_queue`` may
+   wait; past that, ``submit`` refuses with ``Overloaded``);
 3. feeds up to ``prefill_tokens`` prompt tokens of the requests that joined, in chunks of
    ``prefill_chunk`` in a small cache of their own (so one long prompt is spread over several
    iterations instead of stalling the running rows), then copies each finished prompt into its
@@ -59,7 +60,10 @@ class SchedulerConfig:
     """max_batch: slots decoded together. max_queue: requests that may wait for a slot.
     row_capacity: positions per slot, prompt + output (None: the model's context, at most
     ``DEFAULT_ROW_CAPACITY``); the cache holds max_batch x row_capacity positions, which bounds
-    the tokens in flight. prefill_tokens: prompt tokens fed between two decode steps (at least
+    the tokens in flight. max_tokens_in_flight: a tighter bound on them (None: the cache's): a
+    waiting request takes a free slot only while the positions claimed by the requests holding
+    slots (each its prompt plus its max_new_tokens, at most a slot) stay within it, so many short
+    requests run together where few long ones would (at least one slot). prefill_tokens: prompt tokens fed between two decode steps (at least
     one chunk). pack: move running requests into free slots below them (module doc; only with
     a proposer that implements ``move``). batch_grid: the batch sizes the adaptive policy's cost
     model is measured at. static: a batch whose requests all come first (``Engine.generate``;
@@ -72,6 +76,7 @@ class SchedulerConfig:
     max_batch: int = 16
     max_queue: int = 256
     row_capacity: int | None = None
+    max_tokens_in_flight: int | None = None
     prefill_chunk: int = PREFILL_CHUNK
     prefill_tokens: int = PREFILL_CHUNK
     pack: bool = True
@@ -84,6 +89,9 @@ class SchedulerConfig:
                 raise SpecdraftError(f"{name} must be an integer >= 1, got {value!r}")
         if self.row_capacity is not None and (not isinstance(self.row_capacity, int) or self.row_capacity < 2):
             raise SpecdraftError(f"row_capacity must be an integer >= 2, got {self.row_capacity!r}")
+        limit = self.max_tokens_in_flight
+        if limit is not None and (not isinstance(limit, int) or limit < 2):
+            raise SpecdraftError(f"max_tokens_in_flight must be an integer >= 2, got {limit!r}")
 
     @property
     def batch_grid(self) -> tuple[int, ...]:
@@ -162,6 +170,12 @@ class Scheduler:
         self.config = config
         limit = engine.model.config.max_context
         self.row_capacity = min(limit, config.row_capacity or DEFAULT_ROW_CAPACITY)
+        self.max_tokens_in_flight = config.max_batch * self.row_capacity  # what the cache holds
+        if config.max_tokens_in_flight is not None:
+            if config.max_tokens_in_flight < self.row_capacity:
+                raise SpecdraftError(f"the tokens in flight ({config.max_tokens_in_flight}) must hold at least one "
+                                     f"request's context ({self.row_capacity} tokens)")
+            self.max_tokens_in_flight = min(self.max_tokens_in_flight, config.max_tokens_in_flight)
         self.cache = engine.model.new_cache(config.max_batch, self.row_capacity)
         self.rows: list[Request | None] = [None] * config.max_batch  # slot -> its request
         self.last: list[int] = [0] * config.max_batch  # slot -> its last emitted token
@@ -245,6 +259,13 @@ class Scheduler:
             return sum(r is not None for r in self.rows) - len(self.joining), len(self.joining), len(self.waiting)
 
     @property
+    def tokens_in_flight(self) -> int:
+        """Positions claimed by the requests holding slots (each its prompt and max_new_tokens,
+        at most a slot; ``max_tokens_in_flight`` bounds the sum)."""
+        with self._lock:
+            return sum(r.seq.capacity for r in self.rows if r is not None)
+
+    @property
     def busy(self) -> bool:
         """Whether some request holds a slot."""
         return any(r is not None for r in self.rows)
@@ -326,11 +347,15 @@ class Scheduler:
         r.prefill = None
 
     def _admit(self) -> None:
-        """Give free slots (lowest first) to waiting requests, oldest first."""
+        """Give free slots (lowest first) to waiting requests, oldest first, while their claims
+        fit the tokens in flight (the oldest waits for room rather than be overtaken)."""
         while True:
             with self._lock:
                 free = [i for i, r in enumerate(self.rows) if r is None]
                 if not free or not self.waiting:
+                    return
+                claimed = sum(r.seq.capacity for r in self.rows if r is not None)
+                if claimed + self.waiting[0].seq.capacity > self.max_tokens_in_flight:
                     return
                 r = self.waiting.popleft()
                 r.slot = free[0]

@@ -23,6 +23,7 @@ class ServeConfig:
     max_batch: int = 16
     max_queue: int = 256
     context: int | None = None
+    max_tokens_in_flight: int | None = None
     prefill_tokens: int = 512
     host: str = "127.0.0.1"
     port: int = 8000
@@ -53,7 +54,7 @@ def build_state(cfg: ServeConfig, log=print):  # -> ServerState
     from specdraft.server.app import ServerState
 
     sched_cfg = SchedulerConfig(max_batch=cfg.max_batch, max_queue=cfg.max_queue, row_capacity=cfg.context,
-                                prefill_tokens=cfg.prefill_tokens)
+                                max_tokens_in_flight=cfg.max_tokens_in_flight, prefill_tokens=cfg.prefill_tokens)
     t0 = time.perf_counter()
     loaded = load(cfg.model, dtype=cfg.dtype, device=cfg.device, batch_invariant=cfg.batch_invariant)
     engine = build_engine(loaded, cfg.method, k=cfg.k, policy=cfg.policy, options=dict(cfg.options))
@@ -81,7 +82,8 @@ def serve(cfg: ServeConfig) -> int:
 
     app = create_app(state)
     print(f"specdraft serve: {state.model_id} ({cfg.method}) on http://{cfg.host}:{cfg.port}/v1 "
-          f"(up to {cfg.max_batch} rows, {state.scheduler.row_capacity} tokens each)", file=sys.stderr, flush=True)
+          f"(up to {cfg.max_batch} rows, {state.scheduler.row_capacity} tokens each, "
+          f"{state.scheduler.max_tokens_in_flight} in flight)", file=sys.stderr, flush=True)
     # uvicorn handles SIGTERM itself (it stops accepting, lets requests in flight finish, runs
     # the shutdown), then restores the handler it found and raises the signal again: with this
     # one, that second delivery is a no-op and the process exits 0 after a clean shutdown

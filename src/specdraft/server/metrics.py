@@ -90,6 +90,10 @@ class _SchedulerCollector(Collector):
         yield _gauge("specdraft_running_requests", "Requests decoding in a slot", running)
         yield _gauge("specdraft_prefilling_requests", "Requests in a slot whose prompt is being fed", joining)
         yield _gauge("specdraft_waiting_requests", "Requests waiting for a slot", waiting)
+        yield _gauge("specdraft_tokens_in_flight", "Positions claimed by the requests in slots (prompt + max_tokens)",
+                     s.tokens_in_flight)
+        yield _gauge("specdraft_max_tokens_in_flight", "The most positions requests in slots may claim together",
+                     s.max_tokens_in_flight)
         yield _gauge("specdraft_last_step_rows", "Rows the last decode step computed (0 when idle)",
                      s.counters.last_step_rows if s.busy else 0)
         yield _gauge("specdraft_tokens_per_second", f"Tokens emitted per second over the last {RATE_WINDOW_S:.0f} s",
