@@ -166,34 +166,49 @@ def test_from_paths_example() -> None:
 
 
 @SETTINGS
-@given(trees(), st.integers(0, 6))
-def test_verify_inputs(draft: Draft, extra: int) -> None:
-    n = len(draft)
-    width = n + extra
-    tokens, positions, mask = verify_inputs(draft, width)
+@given(st.lists(trees(), min_size=1, max_size=4), st.integers(0, 6))
+def test_verify_inputs(drafts: list[Draft], extra: int) -> None:
+    width = max(len(d) for d in drafts) + extra
     size = 1 + width
-    assert tokens == [0, *draft.tokens] + [0] * extra
-    assert positions.dtype == torch.long and positions.shape == (size,)
-    assert mask.dtype == torch.bool and mask.shape == (size, size)
-    depths = draft.depths()
-    assert positions[0] == 0
-    assert positions[1 : n + 1].tolist() == depths
-    assert mask[:, 0].all()  # everyone sees the root
-    for a in range(n):
-        anc = ancestors(draft, a)
-        for b in range(n):
-            assert bool(mask[a + 1, b + 1]) == (b == a or b in anc), (a, b)
-        assert bool(mask[0, a + 1]) is False  # the root sees no draft node
-    for pad in range(n + 1, size):  # padding: sees only the root and itself, seen by nobody else
-        assert mask[pad].nonzero().flatten().tolist() == [0, pad]
-        assert mask[:, pad].nonzero().flatten().tolist() == [pad]
-        assert positions[pad] == 1
+    last = [100 + r for r in range(len(drafts))]
+    tokens, positions, mask = verify_inputs(drafts, last, width)
+    assert tokens.dtype == positions.dtype == torch.long and tokens.shape == positions.shape == (len(drafts), size)
+    assert mask.dtype == torch.bool and mask.shape == (len(drafts), size, size)
+    for r, draft in enumerate(drafts):
+        n = len(draft)
+        assert tokens[r].tolist() == [last[r], *draft.tokens] + [0] * (width - n)
+        assert positions[r, 0] == 0
+        assert positions[r, 1 : n + 1].tolist() == draft.depths()
+        assert mask[r, :, 0].all()  # everyone sees the root
+        for a in range(n):
+            anc = ancestors(draft, a)
+            for b in range(n):
+                assert bool(mask[r, a + 1, b + 1]) == (b == a or b in anc), (r, a, b)
+            assert bool(mask[r, 0, a + 1]) is False  # the root sees no draft node
+        for pad in range(n + 1, size):  # padding: sees only the root and itself, seen by nobody else
+            assert mask[r, pad].nonzero().flatten().tolist() == [0, pad]
+            assert mask[r, :, pad].nonzero().flatten().tolist() == [pad]
+            assert positions[r, pad] == 1
+
+
+@SETTINGS
+@given(st.lists(st.integers(0, 8), min_size=1, max_size=5), st.integers(0, 3))
+def test_verify_inputs_of_chains_equal_the_tree_walk(lengths: list[int], extra: int) -> None:
+    """An all-chain batch takes a shortcut; a tree in the batch forces the general walk: the
+    chains' rows must come out the same either way."""
+    chains = [Draft.chain(range(n)) for n in lengths]
+    tree = Draft((1, 2, 3), (-1, -1, 0))
+    width = max(lengths + [3]) + extra
+    alone = verify_inputs(chains, list(range(len(chains))), width)
+    mixed = verify_inputs(chains + [tree], list(range(len(chains) + 1)), width)
+    for x, y in zip(alone, mixed):
+        assert torch.equal(x, y[: len(chains)])
 
 
 def test_verify_inputs_chain_is_causal() -> None:
-    _, positions, mask = verify_inputs(Draft.chain([3, 1, 4, 1]), 4)
-    assert torch.equal(mask, torch.ones(5, 5, dtype=torch.bool).tril())
-    assert positions.tolist() == [0, 1, 2, 3, 4]
+    _, positions, mask = verify_inputs([Draft.chain([3, 1, 4, 1])], [7], 4)
+    assert torch.equal(mask[0], torch.ones(5, 5, dtype=torch.bool).tril())
+    assert positions[0].tolist() == [0, 1, 2, 3, 4]
 
 
 # --------------------------------------------------------------------------- invalid drafts

@@ -147,26 +147,47 @@ class Draft:
         return path[::-1]
 
 
-def verify_inputs(draft: Draft, width: int) -> tuple[list[int], Tensor, Tensor]:
-    """What the verifier feeds for one row: the root (slot 0, filled by the caller with the last
-    committed token) and the draft nodes (slot i + 1), padded to ``width`` nodes.
+def verify_inputs(drafts: Sequence[Draft], last: Sequence[int], width: int,
+                  device: torch.device | str = "cpu") -> tuple[Tensor, Tensor, Tensor]:
+    """What the verifier feeds, built on ``device`` from one host-to-device copy: per row the
+    root (slot 0: ``last``, the row's last committed token) and its draft's nodes (slot i + 1),
+    padded to ``width`` nodes.
 
-    Returns tokens (N + 1 ints, padded with 0), relative positions [1 + width] int64 (the root
-    is 0, a node its depth; padding 1) and the ancestor mask [1 + width, 1 + width] bool:
-    slot a may attend to slot b iff b is a or one of a's ancestors (the root is everyone's).
-    Padding slots see the root and themselves; nobody sees them.
+    Returns tokens [B, 1 + W] int64 (padding 0), relative positions [B, 1 + W] int64 (the root
+    0, a node its depth, padding 1) and the ancestor mask [B, 1 + W, 1 + W] bool: slot a may
+    attend to slot b iff b is a or one of a's ancestors (the root is everyone's). Padding slots
+    see the root and themselves; nobody sees them. The mask is filled by walking up the
+    parent slots, one ancestor distance per round, so its cost is the deepest draft's depth in
+    a few batched kernels whatever the batch size.
     """
-    n = len(draft)
     size = 1 + width
-    mask = torch.zeros(size, size, dtype=torch.bool)
-    mask[:, 0] = True
-    mask.diagonal().fill_(True)
-    for i, p in enumerate(draft.parents):  # parents first: copy the parent's row, add self
-        if p >= 0:
-            mask[i + 1] |= mask[p + 1]
-    positions = torch.ones(size, dtype=torch.long)
-    positions[0] = 0
-    if n:
-        positions[1 : n + 1] = torch.tensor(draft.depths())
-    tokens = [0, *draft.tokens] + [0] * (width - n)
+    pad = [0] * width
+    host = [[t, *d.tokens, *pad[len(d):], 0, *(p + 1 for p in d.parents), *pad[len(d):]]
+            for d, t in zip(drafts, last)]
+    packed = torch.tensor(host, dtype=torch.long, device=device)  # [B, 2 (1 + W)]
+    tokens, parent = packed[:, :size], packed[:, size:]  # [B, 1 + W] each; root's and padding's parent: slot 0
+    batch = len(host)
+    if all(d.is_chain for d in drafts):
+        return tokens, *_chain_inputs([len(d) for d in drafts], size, device)
+    mask = torch.eye(size, dtype=torch.bool, device=device).repeat(batch, 1, 1)  # [B, 1 + W, 1 + W]
+    mask[:, :, 0] = True
+    rows = torch.arange(batch, device=device)[:, None]  # [B, 1]
+    slots = torch.arange(size, device=device)[None, :]  # [1, 1 + W]
+    ancestor = parent  # [B, 1 + W]: each slot's ancestor at distance 1, then 2, ... (the root stays the root)
+    for _ in range(max((max(d.depths(), default=0) for d in drafts), default=0) - 1):  # (distance = depth: the root, set)
+        mask[rows, slots, ancestor] = True
+        ancestor = parent.gather(1, ancestor)  # one more step up
+    positions = mask.sum(-1) - 1  # [B, 1 + W]: the ancestors a slot sees are its depth
     return tokens, positions, mask
+
+
+def _chain_inputs(lengths: list[int], size: int, device: torch.device | str) -> tuple[Tensor, Tensor]:
+    """``verify_inputs``' positions [B, S] and mask [B, S, S] when every draft is a chain (row r
+    has ``lengths[r]`` nodes): a slot up to its row's length sees every slot up to itself; a
+    padding slot sees the root and itself."""
+    n = torch.tensor(lengths, device=device)[:, None, None]  # [B, 1, 1]
+    a = torch.arange(size, device=device)[:, None]  # [S, 1] the attending slot
+    b = torch.arange(size, device=device)[None, :]  # [1, S] the attended one
+    mask = (b <= a) & ((a <= n) | (b == 0) | (b == a))  # [B, S, S]
+    positions = torch.where(a.T <= n[:, 0], a.T, 1)  # [B, S]
+    return positions, mask

@@ -287,11 +287,8 @@ class Engine:
         if width == 0:
             tokens = torch.tensor(last, device=device)[:, None]  # [B, 1]
             return self.model(tokens, lengths, cache, return_hidden=taps)
-        rows = [verify_inputs(d, width) for d in drafts]
-        tokens = torch.tensor([[tok, *r[0][1:]] for tok, r in zip(last, rows)], device=device)  # [B, 1 + W]
-        positions = lengths + torch.stack([r[1] for r in rows]).to(device)  # [B, 1 + W]
-        mask = torch.stack([r[2] for r in rows]).to(device)  # [B, 1 + W, 1 + W]
-        return self.model(tokens, positions, cache, mask=mask, return_hidden=taps)
+        tokens, relative, mask = verify_inputs(drafts, last, width, device)  # [B, 1 + W] x2, [B, 1 + W, 1 + W]
+        return self.model(tokens, lengths + relative, cache, mask=mask, return_hidden=taps)
 
 
 def joined_features(parts: dict[int, list[Tensor]]) -> Features:
