@@ -162,13 +162,13 @@ def verify_inputs(drafts: Sequence[Draft], last: Sequence[int], width: int,
     """
     size = 1 + width
     pad = [0] * width
-    host = [[t, *d.tokens, *pad[len(d):], 0, *(p + 1 for p in d.parents), *pad[len(d):]]
+    host = [[t, *d.tokens, *pad[len(d):], 0, *(p + 1 for p in d.parents), *pad[len(d):], len(d)]
             for d, t in zip(drafts, last)]
-    packed = torch.tensor(host, dtype=torch.long, device=device)  # [B, 2 (1 + W)]
-    tokens, parent = packed[:, :size], packed[:, size:]  # [B, 1 + W] each; root's and padding's parent: slot 0
+    packed = torch.tensor(host, dtype=torch.long, device=device)  # [B, 2 (1 + W) + 1]
+    tokens, parent = packed[:, :size], packed[:, size:-1]  # [B, 1 + W] each; root's and padding's parent: slot 0
     batch = len(host)
     if all(d.is_chain for d in drafts):
-        return tokens, *_chain_inputs([len(d) for d in drafts], size, device)
+        return tokens, *_chain_inputs(packed[:, -1], size)
     mask = torch.eye(size, dtype=torch.bool, device=device).repeat(batch, 1, 1)  # [B, 1 + W, 1 + W]
     mask[:, :, 0] = True
     rows = torch.arange(batch, device=device)[:, None]  # [B, 1]
@@ -181,13 +181,13 @@ def verify_inputs(drafts: Sequence[Draft], last: Sequence[int], width: int,
     return tokens, positions, mask
 
 
-def _chain_inputs(lengths: list[int], size: int, device: torch.device | str) -> tuple[Tensor, Tensor]:
+def _chain_inputs(lengths: Tensor, size: int) -> tuple[Tensor, Tensor]:
     """``verify_inputs``' positions [B, S] and mask [B, S, S] when every draft is a chain (row r
-    has ``lengths[r]`` nodes): a slot up to its row's length sees every slot up to itself; a
-    padding slot sees the root and itself."""
-    n = torch.tensor(lengths, device=device)[:, None, None]  # [B, 1, 1]
-    a = torch.arange(size, device=device)[:, None]  # [S, 1] the attending slot
-    b = torch.arange(size, device=device)[None, :]  # [1, S] the attended one
+    has ``lengths[r]`` nodes, [B] on the device): a slot up to its row's length sees every slot
+    up to itself; a padding slot sees the root and itself."""
+    n = lengths[:, None, None]  # [B, 1, 1]
+    a = torch.arange(size, device=lengths.device)[:, None]  # [S, 1] the attending slot
+    b = torch.arange(size, device=lengths.device)[None, :]  # [1, S] the attended one
     mask = (b <= a) & ((a <= n) | (b == 0) | (b == a))  # [B, S, S]
     positions = torch.where(a.T <= n[:, 0], a.T, 1)  # [B, S]
     return positions, mask
