@@ -122,15 +122,12 @@ class Engine:
             raise SpecdraftError(f"{len(samplings)} sampling settings for {len(prompts)} prompts")
         limit = self.model.config.max_context
         for i, p in enumerate(prompts):
-            if not p:
-                raise SpecdraftError(f"prompt {i} is empty")
+            check_prompt(p, self.model.config.vocab_size, f"prompt {i}")
             if len(p) >= limit:
                 raise ContextOverflowError(
                     f"prompt {i} has {len(p)} tokens; the model's context is {limit} "
                     f"(at least one position must remain for generation)"
                 )
-            if max(p) >= self.model.config.vocab_size or min(p) < 0:
-                raise SpecdraftError(f"prompt {i} has a token id outside the vocabulary")
         longest = max(len(p) for p in prompts)
         return samplings, min(limit, longest + config.max_new_tokens + self.draft_headroom + 1)
 
@@ -289,6 +286,14 @@ class Engine:
             return self.model(tokens, lengths, cache, return_hidden=taps)
         tokens, relative, mask = verify_inputs(drafts, last, width, device)  # [B, 1 + W] x2, [B, 1 + W, 1 + W]
         return self.model(tokens, lengths + relative, cache, mask=mask, return_hidden=taps)
+
+
+def check_prompt(prompt: Seq[int], vocab_size: int, name: str = "the prompt") -> None:
+    """A one-line error for an empty prompt or a token id outside the vocabulary."""
+    if not prompt:
+        raise SpecdraftError(f"{name} is empty")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise SpecdraftError(f"{name} has a token id outside the vocabulary (0..{vocab_size - 1})")
 
 
 def joined_features(parts: dict[int, list[Tensor]]) -> Features:

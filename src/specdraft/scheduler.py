@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from specdraft.batching import PREFILL_CHUNK, feed_chunk
-from specdraft.engine import Batch, Engine, Memory, StreamEvent, joined_features
+from specdraft.engine import Batch, Engine, Memory, StreamEvent, check_prompt, joined_features
 from specdraft.errors import ContextOverflowError, SpecdraftError
 from specdraft.metrics import SpecStats
 from specdraft.model.kv_cache import KVCache
@@ -216,11 +216,7 @@ class Scheduler:
 
     def check(self, prompt: Seq[int], config: GenerationConfig) -> None:
         """Raise a one-line error if the prompt (with its max_new_tokens) does not fit a slot."""
-        if not prompt:
-            raise SpecdraftError("the prompt is empty")
-        vocab = self.engine.model.config.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise SpecdraftError(f"the prompt has a token id outside the vocabulary (0..{vocab - 1})")
+        check_prompt(prompt, self.engine.model.config.vocab_size)
         total = len(prompt) + (1 if self.config.static else config.max_new_tokens)
         if total > self.row_capacity:
             raise ContextOverflowError(
