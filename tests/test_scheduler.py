@@ -224,6 +224,31 @@ def test_tokens_in_flight_bound_the_requests_in_slots_and_the_oldest_waits_first
     assert Scheduler(engine, SchedulerConfig(max_batch=2, row_capacity=24)).max_tokens_in_flight == 48
 
 
+@pytest.mark.parametrize("method", ["plain", "ngram"])
+def test_a_static_batch_shrinks_as_its_rows_finish_and_prices_its_first_size(tiny, method):
+    """Rows of a static batch that finish early cost no later step (the last rows move down),
+    the policy prices every step at the batch's first size, and each row gets what it gets
+    alone."""
+    lengths = [3, 20, 6, 12]
+    batch = prompts(tiny)[: len(lengths)]
+    configs = [GenerationConfig(max_new_tokens=n, ignore_eos=True) for n in lengths]
+    alone = [build_engine(tiny, method).generate([p], c)[0].tokens for p, c in zip(batch, configs)]
+    engine = build_engine(tiny, method)
+    priced: list[int] = []
+    budgets = engine.policy.budgets
+    engine.policy.budgets = lambda caps, size, *a: (priced.append(size), budgets(caps, size, *a))[1]  # type: ignore[method-assign]
+    scheduler = Scheduler(engine, SchedulerConfig(max_batch=len(batch), max_queue=len(batch), static=True,
+                                                  row_capacity=64, prefill_tokens=10**6))
+    rows: list[int] = []
+    scheduler.on_step = lambda hi, running: rows.append(hi)
+    requests, _ = run(scheduler, [(0, p, c, Sampling()) for p, c in zip(batch, configs)])
+    assert [r.seq.output for r in requests] == alone
+    assert rows[0] == len(batch) and rows[-1] == 1 and rows == sorted(rows, reverse=True)
+    assert sum(rows) < len(batch) * len(rows)  # finished rows were not computed
+    if method != "plain":
+        assert priced and set(priced) == {len(batch)}
+
+
 def test_cost_model_prices_a_batch_at_the_next_grid_size():
     cost = CostModel(table={1: {1: 1.0, 9: 2.0}, 4: {1: 3.0, 9: 4.0}}, batch_grid=(1, 4))
     assert cost.latency(3, 1, 9) == 3.0 and cost.latency(4, 9, 9) == 4.0 and cost.latency(1, 9, 9) == 2.0

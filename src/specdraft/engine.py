@@ -39,12 +39,16 @@ class Batch:
     """The rows one step runs: row r of ``cache`` holds request ``rows[r]`` (None: an idle slot,
     which the step feeds a dummy token and leaves empty). ``static``: a batch that ends with its
     last row (``Engine.generate``; the policy weighs how much sooner it ends) rather than one that
-    is refilled as rows finish (the scheduler; the policy weighs throughput)."""
+    is refilled as rows finish (the scheduler; the policy weighs throughput). ``priced``: the batch
+    size the policy prices the step at (0: the rows'): a static batch that shrinks as its rows
+    finish keeps its first size, the one the cost model measured before it started, rather than
+    stop to measure each smaller one mid-run (its forwards only get cheaper)."""
 
     rows: list[Sequence | None]
     cache: KVCache  # one row per entry of `rows`
     last: list[int]  # per row: its last emitted token, the root of its next draft (idle rows: 0)
     static: bool = True
+    priced: int = 0
 
     def live(self, row: int) -> bool:
         s = self.rows[row]
@@ -177,7 +181,7 @@ class Engine:
             self.policy.prepare(len(prompts))  # measure the cost model for this batch size, untimed
         scheduler = Scheduler(self, SchedulerConfig(max_batch=len(prompts), max_queue=len(prompts),
                                                     row_capacity=capacity, prefill_tokens=sum(map(len, prompts)),
-                                                    pack=False, static=True), stats)
+                                                    static=True), stats)
         events: list[StreamEvent] = []
         for i, (p, s) in enumerate(zip(prompts, samplings)):
             request = scheduler.submit(p, config, s, lambda e, i=i: events.append(StreamEvent(i, e.text, e.finished)))
@@ -251,7 +255,7 @@ class Engine:
         setup = getattr(self.proposer, "setup_seconds", None)  # optional (proposers/base.py)
         adaptive = self.policy.config.kind == "adaptive"  # the fixed policy does not weigh costs
         pending = setup([s if on else None for s, on in zip(seqs, live)]) if setup is not None and adaptive else None
-        return self.policy.budgets(caps, len(seqs), remaining(batch, live), pending)
+        return self.policy.budgets(caps, batch.priced or len(seqs), remaining(batch, live), pending)
 
     def _propose(self, batch: Batch, live: list[bool], plan: Plan) -> list[Draft]:
         seqs, cache = batch.rows, batch.cache

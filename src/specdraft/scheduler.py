@@ -26,7 +26,8 @@ Events go to each request's ``on_event`` callback, on the scheduler's thread. ``
 
 ``Engine.generate`` runs on a *static* scheduler (``SchedulerConfig.static``): every request is
 submitted before the first iteration, all prompts are fed in it, and the batch then only
-shrinks; the policy weighs how much sooner the batch ends rather than throughput.
+shrinks (packed like any other, so a finished row costs no later step); the policy weighs how
+much sooner the batch ends rather than throughput.
 """
 
 from __future__ import annotations
@@ -68,9 +69,9 @@ class SchedulerConfig:
     a proposer that implements ``move``). batch_grid: the batch sizes the adaptive policy's cost
     model is measured at. static: a batch whose requests all come first (``Engine.generate``;
     module doc): a request may ask for more tokens than its slot holds (its sequence stops at
-    the slot's end), every step runs all ``max_batch`` slots (finished rows as idle ones, so the
-    policy prices one batch size, which it measured first), the cost model is left to measure
-    each batch's own size, and the engine's learned state is not snapshotted for
+    the slot's end), the policy prices every step at ``max_batch`` rows (the size it measured
+    first; ``Batch.priced``) as the batch shrinks, the cost model is left to measure each
+    batch's own size, and the engine's learned state is not snapshotted for
     ``reset_memory``."""
 
     max_batch: int = 16
@@ -433,9 +434,10 @@ class Scheduler:
         live = [i for i, r in enumerate(self.rows) if r is not None and r.prefill is None and not r.seq.finished]
         if not live:
             return
-        hi = len(self.rows) if self.config.static else live[-1] + 1
+        hi = live[-1] + 1
         rows = [r.seq if r is not None and r.prefill is None and not r.cancelled else None for r in self.rows[:hi]]
-        batch = Batch(rows, self.cache.head(hi), self.last[:hi], static=self.config.static)
+        batch = Batch(rows, self.cache.head(hi), self.last[:hi], static=self.config.static,
+                      priced=self.config.max_batch if self.config.static else 0)
         events = self.engine.step(batch, self.stats)
         self.cache.lengths[:hi] = batch.cache.lengths
         self.last[:hi] = batch.last
