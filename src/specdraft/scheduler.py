@@ -260,7 +260,11 @@ class Scheduler:
         """Positions claimed by the requests holding slots (each its prompt and max_new_tokens,
         at most a slot; ``max_tokens_in_flight`` bounds the sum)."""
         with self._lock:
-            return sum(r.seq.capacity for r in self.rows if r is not None)
+            return self._claimed()
+
+    def _claimed(self) -> int:
+        """``tokens_in_flight``, for a caller that holds the lock."""
+        return sum(r.seq.capacity for r in self.rows if r is not None)
 
     @property
     def busy(self) -> bool:
@@ -351,8 +355,7 @@ class Scheduler:
                 free = [i for i, r in enumerate(self.rows) if r is None]
                 if not free or not self.waiting:
                     return
-                claimed = sum(r.seq.capacity for r in self.rows if r is not None)
-                if claimed + self.waiting[0].seq.capacity > self.max_tokens_in_flight:
+                if self._claimed() + self.waiting[0].seq.capacity > self.max_tokens_in_flight:
                     return
                 r = self.waiting.popleft()
                 r.slot = free[0]
