@@ -104,7 +104,7 @@ def test_drafting_computes_what_the_training_time_test_trains(tiny: LoadedModel,
         # growth that stops once no deeper node can make a draft of b nodes gives the same draft
         for b in (1, 2, 4, 7):
             again = proposer._grow([0], state, logp, 3, topk, torch.tensor([b]))
-            assert _best_tree(*(x[0] for x in again), b, "e") == _best_tree(tokens[0], parents[0], scores[0], b, "e")
+            assert _best_tree(*(x[0] for x in again), b, 99, "e") == _best_tree(tokens[0], parents[0], scores[0], b, 99, "e")
     assert tokens.shape[1] == topk + 2 * topk * topk
     for node in range(tokens.shape[1]):
         path = [node]

@@ -79,19 +79,20 @@ def test_drafts_are_the_heads_guesses_from_the_last_committed_state(tiny: Loaded
 
     def spy(seqs, budgets, cache):  # type: ignore[no-untyped-def]
         drafts = real(seqs, budgets, cache)
-        seen.extend((list(s.tokens), d, b) for s, d, b in zip(seqs, drafts, budgets) if s is not None and len(d))
+        seen.extend((list(s.tokens), d, b, s.room) for s, d, b in zip(seqs, drafts, budgets) if s is not None and len(d))
         return drafts
 
     proposer.propose = spy  # type: ignore[method-assign]
     engine = Engine(tiny.model, tiny.tokenizer, proposer, Policy(PolicyConfig(kind="fixed", k=4)))
     engine.generate(prompts(tiny), GEN)
     assert len(seen) > 10
-    for tokens, draft, budget in seen:
+    for tokens, draft, budget, room in seen:
         n = len(tokens) - 1  # the state is the target's at the token before the root
         cache = tiny.model.new_cache(1, n)
         state = tiny.model(torch.tensor([tokens[:n]]), torch.arange(n)[None], cache).last_hidden[0, -1]
         probs = heads(state).float().softmax(-1).topk(2, dim=-1)  # [K, 2]
-        want = _best_paths(heads.target_ids[probs.indices].tolist(), probs.values.tolist(), budget)
+        reach = room - 1  # no deeper than the tokens the row may still emit
+        want = _best_paths(heads.target_ids[probs.indices].tolist()[:reach], probs.values.tolist()[:reach], budget)
         got = {tuple(draft.tokens[i] for i in draft.path_to(n)): c for n, c in enumerate(draft.confidence)}
         assert set(got) == set(want)
         assert all(got[path] == pytest.approx(want[path], rel=1e-5) for path in got)

@@ -298,6 +298,54 @@ def _chain_oracle(truths: list[list[int]], prompts: list[list[int]]) -> Proposer
     return Perfect()
 
 
+class DeepTree(OverBudget):
+    """A tree proposer (``trees``) that knows the plain continuation and ignores the row's
+    remaining tokens: each draft is the right chain as deep as the budget, then wrong leaves
+    under the root until the budget is spent. Records each step's budget and the room the
+    row had, and the depth of what was verified."""
+
+    name = "deep-tree"
+    trees = True
+
+    def __init__(self, truths: list[list[int]], prompts: list[list[int]]) -> None:
+        self.truths, self.prompts = truths, prompts
+        self.asked: list[tuple[int, int]] = []  # (budget, room) per drafting row and step
+        self.verified_depths: list[tuple[int, int]] = []  # (depth verified, room before the step)
+        self.rooms: dict[int, int] = {}
+
+    def propose(self, seqs, budgets, cache=None):
+        out = []
+        for row, (seq, b) in enumerate(zip(seqs, budgets)):
+            if seq is None or b <= 0:
+                out.append(Draft.empty())
+                continue
+            self.asked.append((b, seq.room))
+            self.rooms[row] = seq.room
+            done = len(seq.tokens) - len(self.prompts[row])
+            chain = (self.truths[row][done:] + [3] * b)[: max(1, b // 2)]
+            wrong = [t for t in range(50) if t != chain[0]][: b - len(chain)]  # distinct leaves under the root
+            out.append(Draft(tuple(chain + wrong), tuple(range(-1, len(chain) - 1)) + (-1,) * len(wrong)))
+        return out
+
+    def observe(self, row: int, draft: Draft, acceptance: Acceptance, verified=None) -> None:
+        self.verified_depths.append((max(draft.depths(), default=0), self.rooms[row]))
+
+
+def test_a_tree_proposers_budget_is_nodes_and_its_depth_is_capped_by_the_remaining_tokens(tiny: Setup) -> None:
+    """Near a request's end a tree proposer still gets its whole budget of nodes; the engine
+    keeps only the nodes the request could still emit, and the output is plain decoding's."""
+    loaded, prompts, truths = tiny.loaded, tiny.prompts[:3], tiny.refs[:3]
+    proposer = DeepTree(truths, prompts)
+    engine = Engine(loaded.model, loaded.tokenizer, proposer, Policy(PolicyConfig(kind="fixed", k=8)))
+    gen = GenerationConfig(max_new_tokens=9, ignore_eos=True)  # the first token, a step of 5, then room 3
+    for r, ref in zip(engine.generate(prompts, gen), truths):
+        assert r.tokens == ref[:9] and r.finish_reason == "length"
+    assert all(b == 8 for b, _ in proposer.asked)  # never cut to the remaining tokens
+    assert any(room - 1 < 8 // 2 for _, room in proposer.asked)  # some drafts were deeper than the room
+    assert all(depth <= room - 1 for depth, room in proposer.verified_depths)
+    assert max(depth for depth, _ in proposer.verified_depths) == 8 // 2
+
+
 @pytest.fixture(params=["tiny", "loopy"])
 def setup(request: pytest.FixtureRequest) -> Setup:
     return request.getfixturevalue(request.param)

@@ -108,6 +108,7 @@ class Engine:
         self.policy = policy if policy is not None else Policy(PolicyConfig(kind="fixed", k=8))
         self.speculative = not isinstance(self.proposer, NoDraft)
         self.wants = feature_request(self.proposer)  # hidden states the proposer drafts from
+        self.trees = bool(getattr(self.proposer, "trees", False))  # drafts may hold more nodes than depth
 
     @property
     def draft_headroom(self) -> int:
@@ -245,13 +246,15 @@ class Engine:
 
     def _plan(self, batch: Batch, live: list[bool]) -> Plan:
         """The policy's plan for this step: how many draft tokens each row may have (capped by
-        the row's remaining tokens and the cache's room), and what trimming the drafts means."""
+        the cache's room and, for chains, by the row's remaining tokens; a tree proposer's
+        nodes are capped by the room alone, its depth by the remaining tokens in ``_propose``),
+        and what trimming the drafts means."""
         seqs, cache = batch.rows, batch.cache
         if not self.speculative:
             return Plan.none(len(seqs))
         running = [n for n, on in zip(cache.lengths, live) if on]
         free = cache.capacity - 1 - max(running, default=0)  # positions left after the root token
-        caps = [max(0, min(s.room - 1, free)) if on and s is not None else 0 for s, on in zip(seqs, live)]
+        caps = [self._node_cap(s, free) if on and s is not None else 0 for s, on in zip(seqs, live)]
         setup = getattr(self.proposer, "setup_seconds", None)  # optional (proposers/base.py)
         adaptive = self.policy.config.kind == "adaptive"  # the fixed policy does not weigh costs
         pending = setup([s if on else None for s, on in zip(seqs, live)]) if setup is not None and adaptive else None
@@ -273,10 +276,21 @@ class Engine:
         if cache.lengths != lengths:
             raise RuntimeError(f"proposer {self.proposer.name} changed the target cache's lengths")
         drafts = self.policy.trim(drafts, plan, live)
+        if self.trees:  # a path deeper than the row's remaining tokens could never be emitted
+            drafts = [d.up_to_depth(s.room - 1) if s is not None and len(d) else d for d, s in zip(drafts, seqs)]
         for d, b in zip(drafts, budgets):
             if len(d) > max(b, 0):
                 raise RuntimeError(f"proposer {self.proposer.name} drafted {len(d)} tokens over a budget of {b}")
         return drafts
+
+    def _node_cap(self, seq: Sequence, free: int) -> int:
+        """The most draft nodes a row may use: the cache's ``free`` positions, and the row's
+        remaining tokens but the bonus one (a chain deeper than that is never emitted). A tree
+        proposer's nodes are not bounded by the remaining tokens, only its depth (``_propose``);
+        a row's last token has no draft either way."""
+        if seq.room <= 1:
+            return 0
+        return max(0, free if self.trees else min(seq.room - 1, free))
 
     def _verify(self, drafts: list[Draft], last: list[int], cache: KVCache) -> ModelOutput:
         """One target forward over each row's last token and its draft: logits [B, 1 + width, V]

@@ -26,6 +26,12 @@ Such a proposer sets ``setup_spent`` at each ``propose`` to the seconds it spent
 in it, which the engine leaves out of the drafting time it reports to the policy (a prompt's
 catch-up is not what each later draft costs).
 
+A proposer whose budget counts a tree's nodes rather than its depth (EAGLE's dynamic trees, a
+Medusa tree) sets ``trees = True``. The engine then caps a row's budget by the cache's room
+alone, not by the tokens the row may still emit: only a path's depth is bounded by those, so a
+row near its end keeps a full tree of shallower nodes. Such a proposer should not draft deeper
+than ``seq.room - 1`` (the engine drops deeper nodes, which could never be emitted).
+
 The sequence's ``tokens`` (prompt + emitted tokens, only ever growing) is the context.
 
 The target's cache is lent to ``propose``: row ``r`` holds the keys/values of

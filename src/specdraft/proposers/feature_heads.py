@@ -100,6 +100,7 @@ class FeatureHeadProposer:
         self.embed = target.embed
         self.cos, self.sin = target.rope_cos, target.rope_sin  # [S, D]
         self.options = options
+        self.trees = options.topk > 1  # a budget of nodes, not of depth (engine: caps by the room)
         self.vocab_ids = head.target_ids.to(target.device)  # [N]
         self.cache = HeadCache(head.config.num_kv_heads, head.config.head_dim, target.dtype, target.device)
         self.rows = PendingTaps(head.config.taps)
@@ -164,13 +165,14 @@ class FeatureHeadProposer:
         rows = [r for r, (s, b) in enumerate(zip(seqs, budgets)) if s is not None and b > 0 and self.rows.ready(r)]
         if not rows:
             return drafts
-        depth = min(self.options.depth, max(budgets[r] for r in rows))
+        reach = {r: min(budgets[r], seqs[r].room - 1) for r in rows}  # the deepest node a row can emit
+        depth = min(self.options.depth, max(reach.values()))
         k = self.options.topk
         state, logp = self._feed_pending(rows, [seqs[r] for r in rows], k * depth)  # [R, H], [R, N]
         keep = torch.tensor([budgets[r] for r in rows], device=state.device)  # [R]
         tokens, parents, scores = self._grow(rows, state, logp, depth, k, keep)  # [R, M] each
         for i, r in enumerate(rows):
-            drafts[r] = _best_tree(tokens[i], parents[i], scores[i], budgets[r], self.label)
+            drafts[r] = _best_tree(tokens[i], parents[i], scores[i], budgets[r], reach[r], self.label)
         return drafts
 
     def _feed_pending(self, rows: list[int], seqs: list[Sequence], scratch: int) -> tuple[Tensor, Tensor]:
@@ -298,13 +300,13 @@ def _settled(scores: Tensor, frontier: Tensor, keep: Tensor) -> bool:
     return bool(((keep <= m) & (frontier.max(dim=1).values <= kth[:, 0])).all())
 
 
-def _best_tree(tokens: Tensor, parents: Tensor, scores: Tensor, budget: int, label: str) -> Draft:
-    """The ``budget`` candidates of highest cumulative log-probability, each with its path's
-    probability as its confidence (``Draft.top``: a child never scores above its parent).
-    tokens, parents, scores: [M], parents before children."""
+def _best_tree(tokens: Tensor, parents: Tensor, scores: Tensor, budget: int, depth: int, label: str) -> Draft:
+    """The ``budget`` candidates at most ``depth`` deep of highest cumulative log-probability,
+    each with its path's probability as its confidence (``Draft.top``: a child never scores
+    above its parent). tokens, parents, scores: [M], parents before children."""
     conf = scores.nan_to_num(float("-inf")).exp().tolist()  # [M]
     draft = Draft(tuple(tokens.tolist()), tuple(parents.tolist()), label=label, confidence=tuple(conf))
-    return draft.top(budget)
+    return draft.up_to_depth(depth).top(budget)
 
 
 def eagle_from_context(options: EagleOptions, context: ProposerContext | None) -> FeatureHeadProposer:

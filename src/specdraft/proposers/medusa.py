@@ -55,6 +55,7 @@ class MedusaProposer:
         self.heads = heads.eval()
         self.vocab = heads.vocab
         self.topk = min(topk, heads.config.draft_vocab)
+        self.trees = self.topk > 1  # a budget of nodes, not of depth (engine: caps by the room)
         self.state: dict[int, Tensor] = {}  # row -> [H] final state at its last committed token
 
     @classmethod
@@ -85,7 +86,8 @@ class MedusaProposer:
         top = probs.topk(self.topk, dim=-1)  # [R, K, k]
         ids = self.vocab.to_target(top.indices.cpu())  # [R, K, k] target ids
         for i, r in enumerate(rows):
-            drafts[r] = best_first(ids[i].tolist(), top.values[i].tolist(), budgets[r], "medusa")
+            reach = seqs[r].room - 1  # the deepest node the row can emit
+            drafts[r] = best_first(ids[i, :reach].tolist(), top.values[i, :reach].tolist(), budgets[r], "medusa")
         return drafts
 
     def observe(self, row: int, draft: Draft, acceptance: Acceptance, verified: Verified) -> None:
