@@ -27,17 +27,21 @@ from specdraft.metrics import SpecStats
 from specdraft.model.loader import load
 from specdraft.sequence import GenerationConfig
 
-# (label, options, N): a chain of 6, then EAGLE-2 trees of growing budget and breadth
-SHAPES: tuple[tuple[str, dict[str, str], int], ...] = (
-    ("chain 6", {"topk": "1", "depth": "6"}, 6),
-    ("k4 d6 N4", {"topk": "4", "depth": "6"}, 4),
-    ("k4 d6 N8", {"topk": "4", "depth": "6"}, 8),
-    ("k4 d6 N16", {"topk": "4", "depth": "6"}, 16),
-    ("k4 d6 N32", {"topk": "4", "depth": "6"}, 32),
-    ("k4 d6 N64", {"topk": "4", "depth": "6"}, 64),
-    ("k8 d8 N32", {"topk": "8", "depth": "8"}, 32),
-    ("k8 d8 N64", {"topk": "8", "depth": "8"}, 64),
-    ("k8 d8 N128", {"topk": "8", "depth": "8"}, 128),
+# (label, options, N, policy): a chain of 6, EAGLE-2 trees of growing budget and breadth with
+# the fixed policy (always N nodes), then the adaptive policy (0..N nodes, priced per step)
+SHAPES: tuple[tuple[str, dict[str, str], int, str], ...] = (
+    ("chain 6", {"topk": "1", "depth": "6"}, 6, "fixed"),
+    ("k4 d6 N4", {"topk": "4", "depth": "6"}, 4, "fixed"),
+    ("k4 d6 N8", {"topk": "4", "depth": "6"}, 8, "fixed"),
+    ("k4 d6 N16", {"topk": "4", "depth": "6"}, 16, "fixed"),
+    ("k4 d6 N32", {"topk": "4", "depth": "6"}, 32, "fixed"),
+    ("k4 d6 N64", {"topk": "4", "depth": "6"}, 64, "fixed"),
+    ("k8 d8 N32", {"topk": "8", "depth": "8"}, 32, "fixed"),
+    ("k8 d8 N64", {"topk": "8", "depth": "8"}, 64, "fixed"),
+    ("k8 d8 N128", {"topk": "8", "depth": "8"}, 128, "fixed"),
+    ("adaptive 8", {"topk": "4", "depth": "6"}, 8, "adaptive"),
+    ("adaptive 16", {"topk": "4", "depth": "6"}, 16, "adaptive"),
+    ("adaptive 32", {"topk": "4", "depth": "6"}, 32, "adaptive"),
 )
 
 
@@ -62,8 +66,8 @@ def main() -> None:
     for workload, msgs in workload_messages(tuple(args.workloads.split(","))).items():
         prompts = [loaded.tokenizer.encode_chat([{"role": "user", "content": m}]) for m in msgs[: args.prompts]]
         engines = {"plain": build_engine(loaded, "plain")}
-        for label, options, n in shapes:
-            engines[label] = build_engine(loaded, args.method, k=n, policy="fixed", options=options)
+        for label, options, n, policy in shapes:
+            engines[label] = build_engine(loaded, args.method, k=n, policy=policy, options=options)  # (its own cost curve, to N)
         for e in engines.values():
             e.generate([prompts[0]], GenerationConfig(max_new_tokens=8))  # warm
         seconds = {name: 0.0 for name in engines}
