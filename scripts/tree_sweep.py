@@ -84,7 +84,7 @@ def main() -> None:
         plain_pass = stats["plain"].decode_s / stats["plain"].steps  # s per plain target pass
         for name in names:
             s = stats[name]
-            row = {"workload": workload, "shape": name, "tau": s.emitted / s.steps,
+            row = {"workload": workload, "shape": name, "tau": s.emitted / s.steps, "steps": s.steps,
                    "nodes_per_pass": s.proposed / s.steps, "accepted_at": list(s.accepted_at),
                    "propose_ms": 1e3 * s.propose_s / s.steps, "verify_ms": 1e3 * s.verify_s / s.steps,
                    "other_ms": 1e3 * s.other_s / s.steps, "plain_pass_ms": 1e3 * plain_pass,
