@@ -39,6 +39,7 @@ SHAPES: tuple[tuple[str, dict[str, str], int, str], ...] = (
     ("k8 d8 N32", {"topk": "8", "depth": "8"}, 32, "fixed"),
     ("k8 d8 N64", {"topk": "8", "depth": "8"}, 64, "fixed"),
     ("k8 d8 N128", {"topk": "8", "depth": "8"}, 128, "fixed"),
+    ("adaptive 4", {"topk": "4", "depth": "6"}, 4, "adaptive"),
     ("adaptive 8", {"topk": "4", "depth": "6"}, 8, "adaptive"),
     ("adaptive 16", {"topk": "4", "depth": "6"}, 16, "adaptive"),
     ("adaptive 32", {"topk": "4", "depth": "6"}, 32, "adaptive"),
