@@ -8,17 +8,16 @@ process, rotated order. Both curves learn from the observed forwards as usual.
 """
 import math
 import sys
-import time
 
 import torch
 
 from specdraft.api import build_engine
 from specdraft.bench.serve import workload_messages
-from specdraft.metrics import SpecStats
 from specdraft.model.loader import load
 from specdraft.policy import CostModel
 from specdraft.policy.cost import measure_latency, monotone
 from specdraft.sequence import GenerationConfig
+from tree_sweep import run_interleaved  # (scripts/, run from the repository root)
 
 torch.set_num_threads(2)
 method = sys.argv[1] if len(sys.argv) > 1 else "eagle"
@@ -37,20 +36,12 @@ for w, msgs in workload_messages(workloads).items():
                "fixed 4": build_engine(loaded, method, k=4, policy="fixed"),
                "adaptive, q 1,2,9": build_engine(loaded, method, k=8, cost=sparse),
                "adaptive, q 1..9": build_engine(loaded, method, k=8, cost=dense)}
-    for e in engines.values():
-        e.generate([prompts[0]], GenerationConfig(max_new_tokens=8))  # warm
-    res = {n: [0.0, 0, SpecStats()] for n in engines}
+    seconds, tokens, stats = run_interleaved(engines, prompts, gen)
     names = list(engines)
-    for i, p in enumerate(prompts):
-        for name in names[i % len(names):] + names[: i % len(names)]:
-            t = time.perf_counter()
-            out = engines[name].generate([p], gen, stats=res[name][2])[0]
-            res[name][0] += time.perf_counter() - t
-            res[name][1] += len(out.tokens)
-    base = res["plain"][1] / res["plain"][0]
+    base = tokens["plain"] / seconds["plain"]
     cells = []
     for name in names[1:]:
-        s, n, st = res[name]
+        s, n, st = seconds[name], tokens[name], stats[name]
         speedups.setdefault(name, []).append(n / s / base)
         cells.append(f"{name} {n / s / base:.2f}x (tau {st.tau:.2f}, {st.proposed / max(st.steps, 1):.1f} nodes)")
     curve = engines["adaptive, q 1..9"].policy.cost.table.get(1, {})

@@ -23,6 +23,7 @@ import torch
 
 from specdraft.api import build_engine
 from specdraft.bench.serve import workload_messages
+from specdraft.engine import Engine
 from specdraft.metrics import SpecStats
 from specdraft.model.loader import load
 from specdraft.sequence import GenerationConfig
@@ -44,6 +45,26 @@ SHAPES: tuple[tuple[str, dict[str, str], int, str], ...] = (
     ("adaptive 16", {"topk": "4", "depth": "6"}, 16, "adaptive"),
     ("adaptive 32", {"topk": "4", "depth": "6"}, 32, "adaptive"),
 )
+
+
+def run_interleaved(engines: dict[str, Engine], prompts: list[list[int]], gen: GenerationConfig
+                    ) -> tuple[dict[str, float], dict[str, int], dict[str, SpecStats]]:
+    """Each prompt through every engine, batch 1, in an order rotated per prompt (a slow spell
+    of the machine falls on all alike), after one short warm-up each: seconds, tokens emitted
+    and the stats per engine."""
+    for e in engines.values():
+        e.generate([prompts[0]], GenerationConfig(max_new_tokens=8))  # warm
+    seconds = {name: 0.0 for name in engines}
+    tokens = {name: 0 for name in engines}
+    stats = {name: SpecStats() for name in engines}
+    names = list(engines)
+    for i, p in enumerate(prompts):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            t = time.perf_counter()
+            out = engines[name].generate([p], gen, stats=stats[name])[0]
+            seconds[name] += time.perf_counter() - t
+            tokens[name] += len(out.tokens)
+    return seconds, tokens, stats
 
 
 def main() -> None:
@@ -69,18 +90,8 @@ def main() -> None:
         engines = {"plain": build_engine(loaded, "plain")}
         for label, options, n, policy in shapes:
             engines[label] = build_engine(loaded, args.method, k=n, policy=policy, options=options)  # (its own cost curve, to N)
-        for e in engines.values():
-            e.generate([prompts[0]], GenerationConfig(max_new_tokens=8))  # warm
-        seconds = {name: 0.0 for name in engines}
-        tokens = {name: 0 for name in engines}
-        stats = {name: SpecStats() for name in engines}
+        seconds, tokens, stats = run_interleaved(engines, prompts, gen)
         names = list(engines)
-        for i, p in enumerate(prompts):
-            for name in names[i % len(names):] + names[: i % len(names)]:  # rotated order
-                t = time.perf_counter()
-                out = engines[name].generate([p], gen, stats=stats[name])[0]
-                seconds[name] += time.perf_counter() - t
-                tokens[name] += len(out.tokens)
         plain_rate = tokens["plain"] / seconds["plain"]
         plain_pass = stats["plain"].decode_s / stats["plain"].steps  # s per plain target pass
         for name in names:
