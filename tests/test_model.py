@@ -509,6 +509,48 @@ def test_packed_linear_follows_weight_changes_and_copies() -> None:
     assert clone.packed is not None
 
 
+def test_a_dtype_onednn_cannot_pack_on_this_cpu_keeps_the_default_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN packs bfloat16 only with AVX-512 or AVX-NE-CONVERT: on an AVX2-only CPU ``pack``
+    must leave the Linear on F.linear (it raised there before), batch-invariant or not."""
+    import torch.nn.functional as F
+
+    from specdraft.model import linear
+
+    monkeypatch.setitem(linear._packable, torch.bfloat16, False)
+    lin = linear.Linear(32, 8, bias=True).to(torch.bfloat16)
+    x = torch.randn(3, 32).to(torch.bfloat16)
+    for single_rows in (False, True):
+        lin.pack(single_rows=single_rows)
+        assert lin.packed is None
+        with torch.inference_mode():
+            assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+            assert torch.equal(lin(x[:1]), F.linear(x[:1], lin.weight, lin.bias))
+    if linear.onednn_available():  # packed in float32, then cast: repacking must fall back, not fail
+        lin = linear.Linear(32, 8, bias=True)
+        lin.pack()
+        assert lin.packed is not None
+        lin.to(torch.bfloat16)
+        with torch.inference_mode():
+            assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+        assert lin.packed is None
+
+
+def test_packable_answers_what_onednn_does() -> None:
+    """float32 packs wherever oneDNN is there; bfloat16 exactly where its reorder succeeds."""
+    from specdraft.model.linear import onednn_available, packable
+
+    if not onednn_available():
+        pytest.skip("oneDNN not available")
+    assert packable(torch.float32)
+    assert not packable(torch.int64)
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.ones(4, 4, dtype=torch.bfloat16), None)
+        reorders = True
+    except RuntimeError:
+        reorders = False
+    assert packable(torch.bfloat16) == reorders
+
+
 # =========================================================================== batch-invariant numerics
 
 
@@ -570,7 +612,8 @@ def test_a_batch_invariant_linear_gives_every_row_its_bits_for_any_row_count(sha
     """The default model's bfloat16 shapes, 256 random rows: each row's bits are the same alone
     and in products of 2 to 256 rows. (On an AMD EPYC a plain one-row oneDNN call for 1,536
     inputs differs from the multi-row kernels in about 9% of rows; this test fails there
-    without the two-row rule.)"""
+    without the two-row rule. Where oneDNN cannot pack bfloat16, an AVX2-only CPU, this checks
+    the default path instead.)"""
     from specdraft.model.linear import Linear, onednn_available
 
     if not onednn_available():

@@ -20,6 +20,11 @@ bfloat16 product with 1,536 inputs takes another kernel and differs in ~9% of ro
 batch-invariant model computes a one-row product as a two-row one (the row twice, first row
 kept): every product then takes the multi-row kernels.
 
+oneDNN packs bfloat16 (float16) weights only on CPUs with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT
+(AVX-512-FP16); elsewhere (an AVX2-only AMD EPYC, measured) a bfloat16 Linear keeps the default
+path, which there was ~2x faster than packed float32 per row and gave a row the same bits for
+every row count from 1 to 40 on the default model's shapes. ``packable`` asks oneDNN once per dtype.
+
 The packed copy costs the weight's memory again; ``pack()`` is opt-out (``pack_weights=False``
 when loading). Training and autograd always use the plain weight. A weight changed after
 packing (in place or replaced) is repacked on the next call; deep copies repack themselves.
@@ -45,6 +50,22 @@ def onednn_available() -> bool:
     )
 
 
+_packable: dict[torch.dtype, bool] = {}
+
+
+def packable(dtype: torch.dtype) -> bool:
+    """Whether oneDNN on this CPU packs linear weights of ``dtype`` (asked once per dtype)."""
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16) or not onednn_available():
+        return False
+    if dtype not in _packable:
+        try:
+            torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), None)
+            _packable[dtype] = True
+        except RuntimeError:  # "bf16 path needs the cpu support avx_ne_convert or avx512bw, ..."
+            _packable[dtype] = False
+    return _packable[dtype]
+
+
 class Linear(nn.Linear):
     """nn.Linear whose inference forward may use a packed weight (see module doc)."""
 
@@ -63,13 +84,13 @@ class Linear(nn.Linear):
         return (self.weight.data_ptr(), self.weight._version, self.weight.dtype)
 
     def pack(self, single_rows: bool = False) -> None:
-        """Make the packed copy (CPU only; a no-op where oneDNN is missing). With 4-bit weights
-        the packed copy (of their dequantized values) serves wide products only."""
+        """Make the packed copy (CPU only; a no-op where oneDNN is missing or cannot pack this
+        dtype on this CPU). With 4-bit weights the packed copy (of their dequantized values)
+        serves wide products only."""
         self.single_rows = single_rows
         if self.int4 is not None:
             self.int4_rows_alone = single_rows and not rows_invariant(self.int4)
-        packable = self.weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        if self.weight.device.type != "cpu" or not packable or not onednn_available():
+        if self.weight.device.type != "cpu" or not packable(self.weight.dtype):
             self.unpack()
             return
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
@@ -98,15 +119,23 @@ class Linear(nn.Linear):
         if int4 is not None and not wide and x.is_cpu and not torch.is_grad_enabled():
             out = int4.matmul(x, self.int4_rows_alone)  # [..., out]
             return out if self.bias is None else out + self.bias
-        if self.packed is not None and not torch.is_grad_enabled() and self._use_packed(x):
-            if self._packed_key != self._weight_key():
-                self.pack(self.single_rows)
+        packed = self._packed_for(x)
+        if packed is not None:
             if self.single_rows and x.numel() == x.shape[-1]:  # one row: as two (module doc)
                 twice = x.reshape(1, x.shape[-1]).repeat(2, 1)  # [2, in]
-                out = torch.ops.mkldnn._linear_pointwise(twice, self.packed, self.bias, "none", [], "")
+                out = torch.ops.mkldnn._linear_pointwise(twice, packed, self.bias, "none", [], "")
                 return out[:1].view(*x.shape[:-1], self.out_features)
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def _packed_for(self, x: Tensor) -> Tensor | None:
+        """The packed weight for this product (repacked first if the weight changed), or None:
+        the default path (training, too few float32 rows, or a dtype this CPU cannot pack)."""
+        if self.packed is None or torch.is_grad_enabled() or not self._use_packed(x):
+            return None
+        if self._packed_key != self._weight_key():
+            self.pack(self.single_rows)  # unpacks where the new dtype cannot be packed here
+        return self.packed
 
     def _use_packed(self, x: Tensor) -> bool:
         if x.dtype != torch.float32 or self.single_rows:
