@@ -509,30 +509,43 @@ def test_packed_linear_follows_weight_changes_and_copies() -> None:
     assert clone.packed is not None
 
 
-def test_a_dtype_onednn_cannot_pack_on_this_cpu_keeps_the_default_path(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_dtype_onednn_cannot_pack_on_this_cpu_takes_a_widened_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     """oneDNN packs bfloat16 only with AVX-512 or AVX-NE-CONVERT: on an AVX2-only CPU ``pack``
-    must leave the Linear on F.linear (it raised there before), batch-invariant or not."""
+    raised there, then fell back to torch's default path (6x slower prefill). Now the packed
+    copy is a float32 one: few rows keep the default path, more rows (every row count in a
+    batch-invariant Linear) take the float32 kernel and round back, a row's bits the same for
+    any row count; a float32 Linear packed and then cast repacks this way too."""
     import torch.nn.functional as F
 
     from specdraft.model import linear
 
+    if not linear.onednn_available():
+        pytest.skip("oneDNN not available")
     monkeypatch.setitem(linear._packable, torch.bfloat16, False)
-    lin = linear.Linear(32, 8, bias=True).to(torch.bfloat16)
-    x = torch.randn(3, 32).to(torch.bfloat16)
-    for single_rows in (False, True):
-        lin.pack(single_rows=single_rows)
-        assert lin.packed is None
-        with torch.inference_mode():
-            assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
-            assert torch.equal(lin(x[:1]), F.linear(x[:1], lin.weight, lin.bias))
-    if linear.onednn_available():  # packed in float32, then cast: repacking must fall back, not fail
-        lin = linear.Linear(32, 8, bias=True)
+    torch.manual_seed(0)
+    lin = linear.Linear(64, 40, bias=True).to(torch.bfloat16)
+    x = torch.randn(33, 64).to(torch.bfloat16)
+    exact = (x.double() @ lin.weight.double().T + lin.bias.double()).to(torch.bfloat16)  # [33, 40]
+    with torch.inference_mode():
         lin.pack()
-        assert lin.packed is not None
-        lin.to(torch.bfloat16)
-        with torch.inference_mode():
-            assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
-        assert lin.packed is None
+        assert lin.widened and lin.packed is not None
+        few = linear.WIDENED_FROM_ROWS - 1
+        assert torch.equal(lin(x[:few]), F.linear(x[:few], lin.weight, lin.bias))
+        many = lin(x)
+        assert many.dtype == torch.bfloat16
+        torch.testing.assert_close(many, exact, atol=0, rtol=2**-7)  # one bfloat16 rounding
+        lin.pack(single_rows=True)
+        alone = torch.cat([lin(x[i : i + 1]) for i in range(33)])
+        for rows in (2, 3, 5, 16, 33):
+            assert torch.equal(lin(x[:rows]), alone[:rows]), rows
+    cast = linear.Linear(64, 40, bias=True)
+    cast.pack()
+    assert not cast.widened
+    cast.to(torch.bfloat16)
+    with torch.inference_mode():
+        torch.testing.assert_close(cast(x), (x.double() @ cast.weight.double().T + cast.bias.double()).to(torch.bfloat16),
+                                   atol=0, rtol=2**-7)
+        assert cast.widened
 
 
 def test_packable_answers_what_onednn_does() -> None:

@@ -74,6 +74,34 @@ def test_joining_and_leaving_rows_equal_each_request_alone(tiny, tiny_hf, method
         assert scheduler.stats.accepted > 0.9 * scheduler.stats.proposed > 0
 
 
+def test_prompts_that_arrive_together_are_prefilled_together_and_each_joins_when_its_own_is_in(tiny_hf):
+    """Six requests admitted in one iteration share each prompt chunk's forward (one group:
+    rows x chunk width within the budget); the one-token prompt joins after the first
+    chunk while longer ones are still fed; a request cancelled mid-prefill never joins; each
+    output is bit for bit what the request gets alone (a batch-invariant bfloat16 model, so
+    a row's prefill must not depend on its group)."""
+    exact = load(tiny_hf, dtype="bfloat16", batch_invariant=True)
+    engine = Engine(exact.model, exact.tokenizer)
+    scheduler = Scheduler(engine, SchedulerConfig(max_batch=6, prefill_chunk=4, prefill_tokens=24, row_capacity=96))
+    p = prompts(exact)
+    longest = max(map(len, p))
+    assert len(p[2]) == 1 and longest > 8  # "a"; several chunks of 4 for the others
+    cfg = GenerationConfig(max_new_tokens=10, ignore_eos=True)
+    requests = [scheduler.submit(q, cfg) for q in p]
+    scheduler.run_once()  # admitted together; the first chunk (4 tokens of every row) is in
+    assert scheduler.counters.prefill_forwards == 1
+    assert requests[2].first_token_at is not None and requests[1].first_token_at is None
+    scheduler.cancel(requests[1])  # the longest prompt, still being fed
+    scheduler.run_until_idle()
+    chunks = -(-longest // 4)
+    assert scheduler.counters.prefill_forwards <= chunks
+    assert requests[1].first_token_at is None and requests[1].seq.output == []
+    for i, r in enumerate(requests):
+        if i != 1:
+            assert r.seq.output == engine.generate([p[i]], cfg)[0].tokens, f"request {i}"
+    assert scheduler.counters.cancelled == 1 and not scheduler.prefilling
+
+
 def test_a_cancelled_request_frees_its_slot_at_once(tiny):
     engine = Engine(tiny.model, tiny.tokenizer)
     scheduler = Scheduler(engine, SchedulerConfig(max_batch=2, row_capacity=128))

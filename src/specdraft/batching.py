@@ -24,14 +24,18 @@ PREFILL_TOKENS = 8192  # padded prompt tokens (rows x longest prompt) prefilled 
 Parts = list[dict[int, list[Tensor]]]  # per row: feature key -> the chunks' states [n, H]
 
 
-def prefill_groups(lengths: list[int], budget: int = PREFILL_TOKENS) -> list[list[int]]:
+def prefill_groups(lengths: list[int], budget: int = PREFILL_TOKENS, chunk: int | None = None) -> list[list[int]]:
     """Rows prefilled together, longest prompts first: a group takes rows while its size times
-    its longest prompt stays within ``budget`` (at least one row). Rows of similar length end up
-    together, so padding stays small; a batch of short prompts stays one group."""
+    its longest prompt (with ``chunk``: its widest chunk, min(longest, chunk)) stays within
+    ``budget`` (at least one row). Rows of similar length end up together, so padding stays
+    small; a batch of short prompts stays one group."""
     order = sorted(range(len(lengths)), key=lambda r: -lengths[r])
     groups: list[list[int]] = []
     for r in order:
-        if groups and (len(groups[-1]) + 1) * max(1, lengths[groups[-1][0]]) <= budget:
+        width = max(1, lengths[groups[-1][0]]) if groups else 1
+        if chunk is not None:
+            width = min(width, chunk)
+        if groups and (len(groups[-1]) + 1) * width <= budget:
             groups[-1].append(r)
         else:
             groups.append([r])

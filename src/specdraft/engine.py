@@ -181,7 +181,8 @@ class Engine:
         if self.speculative:
             self.policy.prepare(len(prompts))  # measure the cost model for this batch size, untimed
         scheduler = Scheduler(self, SchedulerConfig(max_batch=len(prompts), max_queue=len(prompts),
-                                                    row_capacity=capacity, prefill_tokens=sum(map(len, prompts)),
+                                                    row_capacity=capacity,
+                                                    prefill_tokens=len(prompts) * max(map(len, prompts)),
                                                     static=True), stats)
         events: list[StreamEvent] = []
         for i, (p, s) in enumerate(zip(prompts, samplings)):

@@ -11,7 +11,10 @@ iteration (``run_once``) it
 3. feeds up to ``prefill_tokens`` prompt tokens of the requests that joined, in chunks of
    ``prefill_chunk`` in a small cache of their own (so one long prompt is spread over several
    iterations instead of stalling the running rows), then copies each finished prompt into its
-   slot, draws its first token and adds the row to the running batch;
+   slot, draws its first token and adds the row to the running batch. Requests admitted in the
+   same iteration are fed together, as the rows of one ragged forward per chunk
+   (``batching.prefill_groups``: similar lengths, a chunk's rows x width within the budget), so
+   a burst of short prompts costs a few forwards rather than one each;
 4. packs the running rows: while a free slot lies below the last running request (nobody
    waits for it), that request moves into it (its keys/values are copied, and the proposer's
    and the policy's state for the row follow it: ``move``). Without this, a request that
@@ -41,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from specdraft.batching import PREFILL_CHUNK, feed_chunk
+from specdraft.batching import PREFILL_CHUNK, PREFILL_TOKENS, feed_chunk, prefill_groups
 from specdraft.engine import Batch, Engine, Memory, StreamEvent, check_prompt, joined_features
 from specdraft.errors import ContextOverflowError, SpecdraftError
 from specdraft.metrics import SpecStats
@@ -141,14 +144,25 @@ class Request:
         return self.seq.stats.accepted
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Prefill:
-    """A joining request's prompt, fed in chunks into a cache of its own."""
+    """The prompts of requests that joined together, fed in chunks into a cache of their own
+    (row i: ``members[i]``; a shorter prompt is done, and joins, before a longer one)."""
 
-    cache: KVCache  # [1 row, P positions]
-    last_hidden: Tensor  # [1, H]
-    parts: list[dict[int, list[Tensor]]] | None  # the prompt's features, when the proposer wants them
-    fed: int = 0  # prompt tokens fed so far
+    members: list[Request]
+    cache: KVCache  # [G rows, P positions]
+    last_hidden: Tensor  # [G, H]: the state after each row's last prompt token, once done
+    done: list[bool]  # per row: its whole prompt is in
+    parts: list[dict[int, list[Tensor]]] | None  # per row: the prompt's features, when the proposer wants them
+    fed: int = 0  # positions fed so far (the same for every row)
+
+    @property
+    def longest(self) -> int:
+        return max(len(r.seq.prompt) for r in self.members)
+
+    def live(self, i: int) -> bool:
+        """Whether row i's request still waits for this prefill (not freed, not joined)."""
+        return self.members[i].prefill is self
 
 
 @dataclass(slots=True)
@@ -158,6 +172,7 @@ class SchedulerCounters:
     steps: int = 0  # decode steps run
     rows_run: int = 0  # rows computed over all steps (idle slots included)
     prefill_tokens: int = 0
+    prefill_forwards: int = 0  # forwards that fed prompt chunks (a group's rows share one)
     finished: int = 0
     cancelled: int = 0
     moved: int = 0  # running requests moved to a lower slot (packing)
@@ -182,6 +197,7 @@ class Scheduler:
         self.last: list[int] = [0] * config.max_batch  # slot -> its last emitted token
         self.waiting: deque[Request] = deque()
         self.joining: list[Request] = []  # have a slot, prompt being prefilled
+        self.prefilling: list[_Prefill] = []  # their groups, oldest first
         self.stats = stats if stats is not None else SpecStats()  # all requests' counts and the steps' timings
         self.counters = SchedulerCounters()
         self.on_step: Callable[[int, list[Request]], None] | None = None  # (rows computed, requests running)
@@ -349,65 +365,84 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Give free slots (lowest first) to waiting requests, oldest first, while their claims
-        fit the tokens in flight (the oldest waits for room rather than be overtaken)."""
+        fit the tokens in flight (the oldest waits for room rather than be overtaken); group
+        this iteration's newcomers for their prefill (module doc, step 3)."""
+        admitted: list[Request] = []
         while True:
             with self._lock:
                 free = [i for i, r in enumerate(self.rows) if r is None]
                 if not free or not self.waiting:
-                    return
+                    break
                 if self._claimed() + self.waiting[0].seq.capacity > self.max_tokens_in_flight:
-                    return
+                    break
                 r = self.waiting.popleft()
                 r.slot = free[0]
                 self.rows[r.slot] = r
                 self.joining.append(r)
-            n = len(r.seq.prompt)
-            model = self.engine.model
-            parts = [{}] if self.engine.wants.prompt else None
-            r.prefill = _Prefill(model.new_cache(1, n),
-                                 torch.zeros(1, model.config.hidden_size, dtype=model.dtype, device=model.device),
-                                 parts)
             self.engine.proposer.begin(r.slot, r.seq)
             self.engine.policy.begin(r.slot)
+            admitted.append(r)
+        # a group's chunk fits one iteration's budget (and PREFILL_TOKENS, the scores' memory)
+        budget, chunk = min(self.config.prefill_tokens, PREFILL_TOKENS), self.config.prefill_chunk
+        for group in sorted(prefill_groups([len(r.seq.prompt) for r in admitted], budget, chunk), key=min):
+            self.prefilling.append(self._group([admitted[i] for i in sorted(group)]))
+
+    def _group(self, members: list[Request]) -> _Prefill:
+        model = self.engine.model
+        longest = max(len(r.seq.prompt) for r in members)
+        hidden = torch.zeros(len(members), model.config.hidden_size, dtype=model.dtype, device=model.device)  # [G, H]
+        parts = [{} for _ in members] if self.engine.wants.prompt else None
+        p = _Prefill(members, model.new_cache(len(members), longest), hidden, [False] * len(members), parts)
+        for r in members:
+            r.prefill = p
+        return p
 
     @torch.inference_mode()
     def _prefill(self) -> None:
-        """Feed up to ``prefill_tokens`` prompt tokens, oldest joining request first."""
+        """Feed up to ``prefill_tokens`` positions (a group's rows x its chunk's width), oldest
+        group first; each request joins as soon as its own prompt is in."""
         budget = self.config.prefill_tokens
         t0 = time.perf_counter()
-        for r in list(self.joining):
-            p = r.prefill
-            assert p is not None and r.slot is not None
-            n = len(r.seq.prompt)
-            while p.fed < n and budget > 0:
-                t = min(self.config.prefill_chunk, n - p.fed)
-                feed_chunk(self.engine.model, [r.seq.prompt], p.fed, t, p.cache, p.last_hidden, [False],
+        for p in list(self.prefilling):
+            prompts = [r.seq.prompt for r in p.members]
+            while p.fed < p.longest and budget > 0 and any(map(p.live, range(len(p.members)))):
+                width = min(self.config.prefill_chunk, p.longest - p.fed)
+                feed_chunk(self.engine.model, prompts, p.fed, width, p.cache, p.last_hidden, p.done,
                            self.engine.wants.taps, p.parts)
-                p.fed += t
-                budget -= t
-                self.counters.prefill_tokens += t
-            if p.fed < n:
-                break
-            self._join(r, p)
+                self.counters.prefill_forwards += 1
+                self.counters.prefill_tokens += sum(max(0, min(len(t), p.fed + width) - p.fed) for t in prompts)
+                p.fed += width
+                budget -= len(prompts) * width
+                self._join([i for i, ok in enumerate(p.done) if ok and p.live(i)], p)
+            if any(map(p.live, range(len(p.members)))):
+                break  # out of budget: this group goes on next iteration, and the later ones wait
+            self.prefilling.remove(p)
             if budget <= 0:
                 break
         self.stats.prefill_s += time.perf_counter() - t0
 
-    def _join(self, r: Request, p: _Prefill) -> None:
-        """A prompt is in: copy it into the slot, draw the first token, start decoding."""
-        slot = r.slot
-        assert slot is not None
-        self.cache.copy_rows(p.cache, [slot])
-        if p.parts is not None:
-            self.engine.proposer.prefilled(slot, joined_features(p.parts[0]))  # type: ignore[attr-defined]
-        token = self.engine.first_tokens(self.engine.model.lm_logits(p.last_hidden), [r.seq])[0]
-        r.seq.append([token])
-        r.first_token_at = time.perf_counter()
-        with self._lock:
-            self.joining.remove(r)
-        r.prefill = None
-        self.last[slot] = token
-        self._deliver(r)
+    def _join(self, rows: list[int], p: _Prefill) -> None:
+        """These rows' prompts are in: copy each into its slot, draw the first tokens, start
+        decoding."""
+        if not rows:
+            return
+        members = [p.members[i] for i in rows]
+        slots = [r.slot for r in members]
+        assert all(slot is not None for slot in slots)
+        self.cache.copy_rows(p.cache, slots, rows)  # type: ignore[arg-type]
+        logits = self.engine.model.lm_logits(p.last_hidden[rows])  # [n, V]
+        tokens = self.engine.first_tokens(logits, [r.seq for r in members])
+        for i, r, slot, token in zip(rows, members, slots, tokens):
+            assert slot is not None
+            if p.parts is not None:
+                self.engine.proposer.prefilled(slot, joined_features(p.parts[i]))  # type: ignore[attr-defined]
+            r.seq.append([token])
+            r.first_token_at = time.perf_counter()
+            with self._lock:
+                self.joining.remove(r)
+            r.prefill = None
+            self.last[slot] = token
+            self._deliver(r)
 
     @torch.inference_mode()
     def _pack(self) -> None:

@@ -148,6 +148,12 @@ def _linear_parts(lin: Linear) -> list[Tensor | None]:
             lin.weight, lin.bias]
 
 
+def _rules(lins: "list[Linear] | tuple[Linear, ...]") -> tuple[list[int], list[bool], list[bool], list[int]]:
+    """decode.cpp's LinearRules: each linear's output width, single_rows, widened, packed_from_rows."""
+    return ([lin.out_features for lin in lins], [lin.single_rows for lin in lins], [lin.widened for lin in lins],
+            [lin.packed_from_rows for lin in lins])
+
+
 def _linears(model: "Transformer") -> list[Linear]:
     return [lin for b in model.layers for lin in (b.wqkv, b.wo, b.w_gate_up, b.w_down)]
 
@@ -194,7 +200,7 @@ def _build(model: "Transformer") -> Any | None:
         lins = (block.wqkv, block.wo, block.w_gate_up, block.w_down)
         tensors = [t for lin in lins for t in _linear_parts(lin)]
         layers.add_layer(block.attn_norm.weight, block.ffn_norm.weight, block.attn_norm.eps, tensors,
-                         [lin.out_features for lin in lins], [lin.single_rows for lin in lins])
+                         *_rules(lins))
     return layers
 
 
@@ -233,5 +239,5 @@ def head_layer(head: nn.Module) -> Any | None:
     lins = [_fused(list(g)) for g in groups]
     layer = ext.HeadLayer(c.num_heads, c.num_kv_heads, c.head_dim, eagle, float(c.rms_norm_eps))
     layer.set([n.weight for n in norms], [t for lin in lins for t in _linear_parts(lin)],
-              [lin.out_features for lin in lins], [lin.single_rows for lin in lins])
+              *_rules(lins))
     return layer

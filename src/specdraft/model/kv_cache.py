@@ -125,12 +125,14 @@ class KVCache:
             cache[:, rows, :, dst] = gathered
         self.lengths = [s + n for s, n in zip(start, n_keep)]
 
-    def copy_rows(self, source: "KVCache", rows: list[int]) -> None:
-        """Copy each row i of ``source`` (its committed positions) into row ``rows[i]`` here,
-        which then has that length; used to prefill a few rows in a smaller cache."""
-        if len(rows) != source.batch_size:
-            raise ValueError(f"copy_rows: {len(rows)} target rows for {source.batch_size} source rows")
-        for i, row in enumerate(rows):
+    def copy_rows(self, source: "KVCache", rows: list[int], source_rows: list[int] | None = None) -> None:
+        """Copy each row ``source_rows[j]`` of ``source`` (its committed positions; default: every
+        row, in order) into row ``rows[j]`` here, which then has that length; used to prefill a
+        few rows in a smaller cache."""
+        picked = list(range(source.batch_size)) if source_rows is None else source_rows
+        if len(rows) != len(picked):
+            raise ValueError(f"copy_rows: {len(rows)} target rows for {len(picked)} source rows")
+        for i, row in zip(picked, rows):
             n = source.lengths[i]
             if n > self.capacity:
                 raise ContextOverflowError(f"copy_rows: a row of {n} positions does not fit a capacity of {self.capacity}")

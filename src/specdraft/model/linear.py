@@ -21,9 +21,16 @@ batch-invariant model computes a one-row product as a two-row one (the row twice
 kept): every product then takes the multi-row kernels.
 
 oneDNN packs bfloat16 (float16) weights only on CPUs with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT
-(AVX-512-FP16); elsewhere (an AVX2-only AMD EPYC, measured) a bfloat16 Linear keeps the default
-path, which there was ~2x faster than packed float32 per row and gave a row the same bits for
-every row count from 1 to 40 on the default model's shapes. ``packable`` asks oneDNN once per dtype.
+(AVX-512-FP16); ``packable`` asks it once per dtype. Elsewhere (an AVX2-only AMD EPYC, measured)
+torch's default bfloat16 product costs each row the same (a 576 x 3072 weight: 0.67 ms for 2 rows,
+5.3 ms for 16, 118 ms for 512), 4-6x packed float32's from 4 rows on: prefill ran 6x slower than
+in float32 and a 9-token verification cost ~9 one-token steps. There the packed copy is a
+*widened* one, of the weight in float32 (twice the bfloat16 weight's memory): a product casts its
+rows to float32, takes the packed float32 kernel and rounds the result back (the products of
+bfloat16 values are exact in float32 and the sums accumulate in float32, as oneDNN's bfloat16
+kernels do). It serves products of ``WIDENED_FROM_ROWS`` rows or more (fewer take torch's
+default bfloat16 path, faster for 1-3 rows); a batch-invariant model takes it for every row
+count, one row as two, so that a row's bits never depend on the product's size.
 
 The packed copy costs the weight's memory again; ``pack()`` is opt-out (``pack_weights=False``
 when loading). Training and autograd always use the plain weight. A weight changed after
@@ -42,6 +49,7 @@ from specdraft.model.quant import Int4Packed, rows_invariant
 
 
 PACKED_FROM_ROWS = 1  # float32: the fewest rows (tokens in the product) that take the packed path
+WIDENED_FROM_ROWS = 4  # a widened copy (module doc): the fewest rows that take it (not batch-invariant)
 
 
 def onednn_available() -> bool:
@@ -77,6 +85,7 @@ class Linear(nn.Linear):
         self.packed = None
         self._packed_key = None
         self.single_rows = False  # use the packed path for one row too (batch-invariant models)
+        self.widened = False  # the packed copy is a float32 one of a lower-precision weight (module doc)
         self.int4: Int4Packed | None = None  # 4-bit weights (quant.py); ``weight`` then holds their dequantized values
         self.int4_rows_alone = False  # one int4 call per row (batch-invariant, where the kernel is not)
 
@@ -90,15 +99,27 @@ class Linear(nn.Linear):
         self.single_rows = single_rows
         if self.int4 is not None:
             self.int4_rows_alone = single_rows and not rows_invariant(self.int4)
-        if self.weight.device.type != "cpu" or not packable(self.weight.dtype):
+        dtype = self.weight.dtype
+        widen = dtype in (torch.bfloat16, torch.float16) and not packable(dtype) and packable(torch.float32)
+        if self.weight.device.type != "cpu" or not (packable(dtype) or widen):
             self.unpack()
             return
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        weight = self.weight.detach()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.float() if widen else weight, None)
+        self.widened = widen
         self._packed_key = self._weight_key()
 
     def unpack(self) -> None:
         self.packed = None
+        self.widened = False
         self._packed_key = None
+
+    @property
+    def packed_from_rows(self) -> int:
+        """The fewest rows (tokens in a product) that take the packed copy."""
+        if self.single_rows:
+            return 1
+        return WIDENED_FROM_ROWS if self.widened else PACKED_FROM_ROWS
 
     def __deepcopy__(self, memo: dict[int, object]) -> "Linear":
         clone = Linear(self.in_features, self.out_features, bias=self.bias is not None)
@@ -120,13 +141,18 @@ class Linear(nn.Linear):
             out = int4.matmul(x, self.int4_rows_alone)  # [..., out]
             return out if self.bias is None else out + self.bias
         packed = self._packed_for(x)
-        if packed is not None:
-            if self.single_rows and x.numel() == x.shape[-1]:  # one row: as two (module doc)
-                twice = x.reshape(1, x.shape[-1]).repeat(2, 1)  # [2, in]
-                out = torch.ops.mkldnn._linear_pointwise(twice, packed, self.bias, "none", [], "")
-                return out[:1].view(*x.shape[:-1], self.out_features)
-            return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        if packed is None:
+            return F.linear(x, self.weight, self.bias)
+        rows, bias = x, self.bias
+        if self.widened:
+            rows, bias = x.float(), None if bias is None else bias.float()
+        if self.single_rows and x.numel() == x.shape[-1]:  # one row: as two (module doc)
+            twice = rows.reshape(1, x.shape[-1]).repeat(2, 1)  # [2, in]
+            out = torch.ops.mkldnn._linear_pointwise(twice, packed, bias, "none", [], "")[:1]
+            out = out.view(*x.shape[:-1], self.out_features)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+        return out.to(x.dtype) if self.widened else out
 
     def _packed_for(self, x: Tensor) -> Tensor | None:
         """The packed weight for this product (repacked first if the weight changed), or None:
@@ -138,6 +164,6 @@ class Linear(nn.Linear):
         return self.packed
 
     def _use_packed(self, x: Tensor) -> bool:
-        if x.dtype != torch.float32 or self.single_rows:
+        if x.dtype != torch.float32 and not self.widened:
             return True
-        return x.numel() // x.shape[-1] >= PACKED_FROM_ROWS
+        return x.numel() // x.shape[-1] >= self.packed_from_rows

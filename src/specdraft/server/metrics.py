@@ -102,6 +102,8 @@ class _SchedulerCollector(Collector):
         yield _counter("specdraft_decode_steps", "Decode steps (target passes over the batch)", c.steps)
         yield _counter("specdraft_rows_computed", "Rows computed over all decode steps", c.rows_run)
         yield _counter("specdraft_prefill_tokens", "Prompt tokens fed", c.prefill_tokens)
+        yield _counter("specdraft_prefill_forwards", "Forwards that fed prompt chunks (prompts arriving together share them)",
+                       c.prefill_forwards)
         yield _counter("specdraft_rows_moved", "Running requests moved to a lower free slot (packing)", c.moved)
         st = s.stats
         method = self.metrics.method

@@ -20,7 +20,7 @@ using at::Tensor;
 
 namespace {
 
-// One linear layer as linear.py's Linear.forward computes it (int4, oneDNN packed, or plain).
+// One linear layer as linear.py's Linear.forward computes it (int4, oneDNN packed or widened, or plain).
 struct Linear {
   Tensor int4, int4_sz;     // 4-bit weights: torch's pack and its [K/32, N, 2] scales, or quantmm.h's tiles and
                             // their [N/16, K/32, P, 16] parameters (undefined: none)
@@ -28,6 +28,8 @@ struct Linear {
   Tensor weight, bias;      // plain weight; bias may be undefined
   int64_t out_features;
   bool single_rows;         // batch-invariant: one row runs as two
+  bool widened;             // packed is a float32 copy of a lower-precision weight (rows cast to float32 and back)
+  int64_t from_rows;        // the fewest rows that take the packed copy
 };
 
 Tensor linear_pointwise(const Tensor& x, const Tensor& w, const Tensor& b) {
@@ -48,12 +50,17 @@ Tensor apply(const Linear& l, const Tensor& x, bool wide) {
                                       : at::_weight_int4pack_mm_for_cpu(x.reshape({-1, in}), l.int4, 32, l.int4_sz).view(shape);
     return l.bias.defined() ? out + l.bias : out;
   }
-  if (l.packed.defined()) {
+  if (l.packed.defined() && x.numel() / in >= l.from_rows) {
+    const Tensor rows = l.widened ? x.to(at::kFloat) : x;
+    const Tensor bias = l.widened && l.bias.defined() ? l.bias.to(at::kFloat) : l.bias;
+    Tensor out;
     if (l.single_rows && x.numel() == in) {
-      Tensor twice = x.reshape({1, in}).repeat({2, 1});
-      return linear_pointwise(twice, l.packed, l.bias).slice(0, 0, 1).view(shape);
+      Tensor twice = rows.reshape({1, in}).repeat({2, 1});
+      out = linear_pointwise(twice, l.packed, bias).slice(0, 0, 1).view(shape);
+    } else {
+      out = linear_pointwise(rows, l.packed, bias);
     }
-    return linear_pointwise(x, l.packed, l.bias);
+    return l.widened ? out.to(x.scalar_type()) : out;
   }
   return at::linear(x, l.weight, l.bias.defined() ? std::optional<Tensor>(l.bias) : std::nullopt);
 }
@@ -213,11 +220,19 @@ Tensor mlp(const Linear& gate_up, const Linear& down, const Tensor& x, bool wide
   return apply(down, at::silu(gu[0]) * gu[1], wide);
 }
 
-Linear linear_from(const std::vector<std::optional<Tensor>>& tensors, size_t i, int64_t out_features, bool single_rows) {
+// Per linear, in the order given: its output width and (single_rows, widened, from_rows) as linear.py's.
+struct LinearRules {
+  std::vector<int64_t> out_features;
+  std::vector<bool> single_rows, widened;
+  std::vector<int64_t> from_rows;
+};
+
+Linear linear_from(const std::vector<std::optional<Tensor>>& tensors, size_t i, const LinearRules& r) {
   // tensors: per linear (int4, int4_sz, packed, weight, bias), None where absent
   auto get = [&](size_t j) { return tensors[j].has_value() ? *tensors[j] : Tensor(); };
   const size_t o = 5 * i;
-  return Linear{get(o), get(o + 1), get(o + 2), get(o + 3), get(o + 4), out_features, single_rows};
+  return Linear{get(o), get(o + 1), get(o + 2), get(o + 3), get(o + 4), r.out_features[i], r.single_rows[i],
+                r.widened[i], r.from_rows[i]};
 }
 
 }  // namespace
@@ -227,11 +242,13 @@ class Layers {
   Layers(int64_t hq, int64_t hkv, int64_t head_dim) : hq_(hq), hkv_(hkv), d_(head_dim) {}
 
   void add_layer(Tensor attn_norm, Tensor ffn_norm, double eps, std::vector<std::optional<Tensor>> tensors,
-                 std::vector<int64_t> out_features, std::vector<bool> single_rows) {
+                 std::vector<int64_t> out_features, std::vector<bool> single_rows, std::vector<bool> widened,
+                 std::vector<int64_t> from_rows) {
     // tensors: 4 linears (wqkv, wo, gate_up, down) x (int4, int4_sz, packed, weight, bias)
     Layer layer{attn_norm, ffn_norm, eps, {}, {}, {}, {}};
     Linear* lins[4] = {&layer.wqkv, &layer.wo, &layer.gate_up, &layer.down};
-    for (size_t i = 0; i < 4; ++i) *lins[i] = linear_from(tensors, i, out_features[i], single_rows[i]);
+    const LinearRules rules{out_features, single_rows, widened, from_rows};
+    for (size_t i = 0; i < 4; ++i) *lins[i] = linear_from(tensors, i, rules);
     layers_.push_back(std::move(layer));
   }
 
@@ -287,10 +304,11 @@ class HeadLayer {
   // tensors: per linear as Layers.add_layer; mtp (eh_proj, wqkv, wo, gate_up, down, lm_head),
   //          eagle (wqkv, wo, gate_up, down, lm_head).
   void set(std::vector<Tensor> norms, std::vector<std::optional<Tensor>> tensors, std::vector<int64_t> out_features,
-           std::vector<bool> single_rows) {
+           std::vector<bool> single_rows, std::vector<bool> widened, std::vector<int64_t> from_rows) {
     norms_ = std::move(norms);
     lins_.clear();
-    for (size_t i = 0; i < out_features.size(); ++i) lins_.push_back(linear_from(tensors, i, out_features[i], single_rows[i]));
+    const LinearRules rules{out_features, single_rows, widened, from_rows};
+    for (size_t i = 0; i < out_features.size(); ++i) lins_.push_back(linear_from(tensors, i, rules));
   }
 
   // emb, hidden: [B, T, H]; cos, sin: [B, T, 1, D]; kc, vc: the rows' head cache [B, Hkv, S, D]
