@@ -623,7 +623,7 @@ def test_few_rows_take_the_default_path_and_more_the_packed_one() -> None:
 @pytest.mark.parametrize("shape", [(576, 960), (576, 3072), (1536, 576), (576, 1728)], ids=str)
 def test_a_batch_invariant_linear_gives_every_row_its_bits_for_any_row_count(shape: tuple[int, int]) -> None:
     """The default model's bfloat16 shapes, 256 random rows: each row's bits are the same alone
-    and in products of 2 to 256 rows. (On an AMD EPYC a plain one-row oneDNN call for 1,536
+    and in products of 2 to 2,048 rows. (On an AMD EPYC a plain one-row oneDNN call for 1,536
     inputs differs from the multi-row kernels in about 9% of rows; this test fails there
     without the two-row rule. Where oneDNN cannot pack bfloat16, an AVX2-only CPU, this checks
     the default path instead.)"""
@@ -634,12 +634,14 @@ def test_a_batch_invariant_linear_gives_every_row_its_bits_for_any_row_count(sha
     torch.manual_seed(1)
     lin = Linear(*shape, bias=False).to(torch.bfloat16)
     lin.pack(single_rows=True)
-    x = torch.randn(256, shape[0]).to(torch.bfloat16)
+    x = torch.randn(2048, shape[0]).to(torch.bfloat16)
     with torch.inference_mode():
         alone = torch.cat([lin(x[i : i + 1]) for i in range(256)])
         for rows in (2, 3, 9, 17, 64, 256):
             for start in range(0, 256 - rows + 1, rows):
                 assert torch.equal(lin(x[start : start + rows]), alone[start : start + rows]), (rows, start)
+        # grouped prompt chunks: rows x chunk width, up to 8,192 in a static batch (batching.py)
+        assert torch.equal(lin(x)[:256], alone)
 
 
 @torch.inference_mode()  # as the engine runs (packed linears are for inference only)

@@ -164,6 +164,11 @@ class _Prefill:
         """Whether row i's request still waits for this prefill (not freed, not joined)."""
         return self.members[i].prefill is self
 
+    @property
+    def waited_for(self) -> bool:
+        """Whether some row's request still waits for this prefill."""
+        return any(r.prefill is self for r in self.members)
+
 
 @dataclass(slots=True)
 class SchedulerCounters:
@@ -388,6 +393,7 @@ class Scheduler:
             self.prefilling.append(self._group([admitted[i] for i in sorted(group)]))
 
     def _group(self, members: list[Request]) -> _Prefill:
+        """The prefill state of requests fed together (their rows in one cache of their own)."""
         model = self.engine.model
         longest = max(len(r.seq.prompt) for r in members)
         hidden = torch.zeros(len(members), model.config.hidden_size, dtype=model.dtype, device=model.device)  # [G, H]
@@ -405,7 +411,7 @@ class Scheduler:
         t0 = time.perf_counter()
         for p in list(self.prefilling):
             prompts = [r.seq.prompt for r in p.members]
-            while p.fed < p.longest and budget > 0 and any(map(p.live, range(len(p.members)))):
+            while p.fed < p.longest and budget > 0 and p.waited_for:
                 width = min(self.config.prefill_chunk, p.longest - p.fed)
                 feed_chunk(self.engine.model, prompts, p.fed, width, p.cache, p.last_hidden, p.done,
                            self.engine.wants.taps, p.parts)
@@ -414,7 +420,7 @@ class Scheduler:
                 p.fed += width
                 budget -= len(prompts) * width
                 self._join([i for i, ok in enumerate(p.done) if ok and p.live(i)], p)
-            if any(map(p.live, range(len(p.members)))):
+            if p.waited_for:
                 break  # out of budget: this group goes on next iteration, and the later ones wait
             self.prefilling.remove(p)
             if budget <= 0:
