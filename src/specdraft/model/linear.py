@@ -157,11 +157,11 @@ class Linear(nn.Linear):
     def _packed_for(self, x: Tensor) -> Tensor | None:
         """The packed weight for this product (repacked first if the weight changed), or None:
         the default path (training, too few float32 rows, or a dtype this CPU cannot pack)."""
-        if self.packed is None or torch.is_grad_enabled() or not self._use_packed(x):
+        if self.packed is None or torch.is_grad_enabled():
             return None
         if self._packed_key != self._weight_key():
-            self.pack(self.single_rows)  # unpacks where the new dtype cannot be packed here
-        return self.packed
+            self.pack(self.single_rows)  # a cast may widen the copy, or drop it
+        return self.packed if self.packed is not None and self._use_packed(x) else None
 
     def _use_packed(self, x: Tensor) -> bool:
         if x.dtype != torch.float32 and not self.widened:
