@@ -480,11 +480,23 @@ def _next_probs(model: torch.nn.Module, prefixes: list[list[int]], sampling: Sam
 
 
 def _sampled(tiny_hf, siblings: bool):
-    """(model, tokenizer, prompt, p1, p2, pairs, p3) for ``_engine_lossless_check``. With
+    """(model, tokenizer, prompt, p1, p2, pairs, p3, reference) for ``_engine_lossless_check``
+    (``reference``: the exact probabilities of the first token, the first two and the first
+    three, as ``chi_square_gof`` takes them). Built once per session for each kind. With
     ``siblings``, after each likely first token c the prompt also shows c followed by its second
     and third most likely next tokens (each with the model's own continuation): a tree proposer
     then offers several siblings there, and the first is rejected often enough for later
     siblings to be accepted often (the case that tests the residual between siblings)."""
+    key = (str(tiny_hf), siblings)
+    if key not in _SETUPS:
+        _SETUPS[key] = _build_sampled(tiny_hf, siblings)
+    return _SETUPS[key]
+
+
+_SETUPS: dict[tuple[str, bool], tuple] = {}  # every proposer's test module shares the two setups
+
+
+def _build_sampled(tiny_hf, siblings: bool):
     tiny = load(tiny_hf)
     model = _peaked_loopy_model(tiny)
     plain = Engine(model, tiny.tokenizer)
@@ -502,9 +514,22 @@ def _sampled(tiny_hf, siblings: bool):
     p1 = _next_probs(model, [prompt], T1)[0]  # [V]
     vocab = p1.shape[0]
     p2 = _next_probs(model, [prompt + [x] for x in range(vocab)], T1)  # [V, V]
-    pairs = [(a, b) for a in range(vocab) for b in range(vocab) if p1[a] * p2[a, b] > 0.004]
+    joint = p1[:, None] * p2  # [V, V]: p(x1 = a, x2 = b)
+    pairs = [(a, b) for a, b in (joint > 0.004).nonzero().tolist()]
     p3 = _next_probs(model, [prompt + [a, b] for a, b in pairs], T1)  # [pairs, V]
-    return model, tiny.tokenizer, prompt, p1, p2, pairs, p3
+    return model, tiny.tokenizer, prompt, p1, p2, pairs, p3, _reference(p1, joint, pairs, p3)
+
+
+def _reference(p1: torch.Tensor, joint: torch.Tensor, pairs: list[tuple[int, int]], p3: torch.Tensor) -> tuple[dict, dict, dict]:
+    """The exact probabilities of the first token, of the first two, and of the first three
+    where the first two are a likely pair ("other" for the rest)."""
+    vocab = p1.shape[0]
+    first = dict(enumerate(p1.tolist()))
+    joint_probs = {(a, b): q for a, row in enumerate(joint.tolist()) for b, q in enumerate(row)}
+    triple = torch.tensor([joint_probs[pair] for pair in pairs], dtype=p3.dtype)[:, None] * p3  # [pairs, V]
+    triple_probs: dict = {(a, b, c): q for (a, b), row in zip(pairs, triple.tolist()) for c, q in zip(range(vocab), row)}
+    triple_probs["other"] = 1.0 - sum(joint_probs[pair] for pair in pairs)
+    return first, joint_probs, triple_probs
 
 
 @pytest.fixture(scope="module")
@@ -557,8 +582,7 @@ def _engine_lossless_check(
     the first token, the first two and the first three against the model's exact
     distribution. ``proposer``: "ngram", "siblings", or a function (model, tokenizer) ->
     proposer (used by every proposer's own lossless test)."""
-    model, tokenizer, prompt, p1, p2, pairs, p3 = setup
-    vocab = p1.shape[0]
+    model, tokenizer, prompt, _, p2, pairs, _, (first_probs, joint_probs, triple_probs) = setup
     if callable(proposer):
         drafts = proposer(model, tokenizer)
     else:
@@ -572,13 +596,9 @@ def _engine_lossless_check(
     assert all(len(r.tokens) == 3 + k for r in out)
     rows = [SimpleNamespace(tokens=r.tokens[:3]) for r in out]
     n = ENGINE_ROWS
-    first = chi_square_gof(Counter(r.tokens[0] for r in rows), {a: float(p1[a]) for a in range(vocab)}, n, 10)
-    joint_probs = {(a, b): float(p1[a] * p2[a, b]) for a in range(vocab) for b in range(vocab)}
+    first = chi_square_gof(Counter(r.tokens[0] for r in rows), first_probs, n, 10)
     joint = chi_square_gof(Counter(tuple(r.tokens[:2]) for r in rows), joint_probs, n, 10)
     known = set(pairs)
-    triple_probs = {(a, b, c): joint_probs[(a, b)] * float(p3[i, c]) for i, (a, b) in enumerate(pairs)
-                    for c in range(vocab)}
-    triple_probs["other"] = 1.0 - sum(joint_probs[pair] for pair in pairs)
     triples = Counter(tuple(r.tokens) if tuple(r.tokens[:2]) in known else "other" for r in rows)
     triple = chi_square_gof(triples, triple_probs, n, 10)
     return first, joint, triple, stats
@@ -661,5 +681,5 @@ def test_siblings_through_the_engine(sibling_setup, monkeypatch: pytest.MonkeyPa
     """The check itself: ngram with three branches, and the hand-made siblings proposer."""
     check_siblings_lossless(sibling_setup, lambda _m, _t: NgramProposer(NgramConfig(min_n=1, max_n=3, branches=3)),
                             4, monkeypatch)
-    _, _, prompt, _, p2, _, _ = sibling_setup
+    _, _, prompt, _, p2 = sibling_setup[:5]
     check_siblings_lossless(sibling_setup, lambda _m, _t: SiblingsProposer(len(prompt), p2), 4, monkeypatch)

@@ -102,6 +102,32 @@ def test_prompts_that_arrive_together_are_prefilled_together_and_each_joins_when
     assert scheduler.counters.cancelled == 1 and not scheduler.prefilling
 
 
+def test_requests_with_the_same_prompt_share_its_prefill_row(tiny_hf):
+    """Three samples of one prompt and one other prompt, admitted together: the forward feeds
+    two rows (the prompt tokens counted once), one of the three cancelled mid-prefill leaves
+    the other two to join, and each output is bit for bit the request's alone (its own seed;
+    a batch-invariant bfloat16 model)."""
+    exact = load(tiny_hf, dtype="bfloat16", batch_invariant=True)
+    engine = Engine(exact.model, exact.tokenizer)
+    scheduler = Scheduler(engine, SchedulerConfig(max_batch=4, prefill_chunk=4, prefill_tokens=8, row_capacity=96))
+    p = prompts(exact)
+    same, other = max(p, key=len), p[0]
+    assert len(same) > 4 and same != other
+    cfg = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    sampled = [Sampling(temperature=1.0, seed=s) for s in (1, 2, 3)]
+    requests = [scheduler.submit(same, cfg, sampling) for sampling in sampled] + [scheduler.submit(other, cfg)]
+    scheduler.run_once()
+    assert (scheduler.counters.prefill_forwards, scheduler.counters.prefill_tokens) == (1, 8)  # one chunk of two rows
+    scheduler.cancel(requests[0])
+    scheduler.run_until_idle()
+    assert scheduler.counters.prefill_tokens == len(same) + len(other)
+    assert requests[0].seq.output == [] and scheduler.counters.cancelled == 1
+    for r, sampling in zip(requests[1:3], sampled[1:]):
+        assert r.seq.output == engine.generate([same], cfg, [sampling])[0].tokens
+    assert requests[1].seq.output != requests[2].seq.output  # two seeds, two samples
+    assert requests[3].seq.output == engine.generate([other], cfg)[0].tokens
+
+
 def test_a_cancelled_request_frees_its_slot_at_once(tiny):
     engine = Engine(tiny.model, tiny.tokenizer)
     scheduler = Scheduler(engine, SchedulerConfig(max_batch=2, row_capacity=128))

@@ -14,7 +14,8 @@ iteration (``run_once``) it
    slot, draws its first token and adds the row to the running batch. Requests admitted in the
    same iteration are fed together, as the rows of one ragged forward per chunk
    (``batching.prefill_groups``: similar lengths, a chunk's rows x width within the budget), so
-   a burst of short prompts costs a few forwards rather than one each;
+   a burst of short prompts costs a few forwards rather than one each. Requests with the same
+   prompt (several samples of one question) share one row of that forward, and each copies it;
 4. packs the running rows: while a free slot lies below the last running request (nobody
    waits for it), that request moves into it (its keys/values are copied, and the proposer's
    and the policy's state for the row follow it: ``move``). Without this, a request that
@@ -146,10 +147,13 @@ class Request:
 
 @dataclass(slots=True, eq=False)
 class _Prefill:
-    """The prompts of requests that joined together, fed in chunks into a cache of their own
-    (row i: ``members[i]``; a shorter prompt is done, and joins, before a longer one)."""
+    """The prompts of requests that joined together, fed in chunks into a cache of their own:
+    one row per distinct prompt (``prompts``), member i's in row ``source[i]``; a shorter
+    prompt is done, and its requests join, before a longer one."""
 
     members: list[Request]
+    source: list[int]  # per member: its prompt's row
+    prompts: list[list[int]]  # per row: the prompt fed there
     cache: KVCache  # [G rows, P positions]
     last_hidden: Tensor  # [G, H]: the state after each row's last prompt token, once done
     done: list[bool]  # per row: its whole prompt is in
@@ -158,7 +162,7 @@ class _Prefill:
 
     @property
     def longest(self) -> int:
-        return max(len(r.seq.prompt) for r in self.members)
+        return max(len(t) for t in self.prompts)
 
     def live(self, i: int) -> bool:
         """Whether row i's request still waits for this prefill (not freed, not joined)."""
@@ -373,15 +377,18 @@ class Scheduler:
         fit the tokens in flight (the oldest waits for room rather than be overtaken); group
         this iteration's newcomers for their prefill (module doc, step 3)."""
         admitted: list[Request] = []
+        with self._lock:  # only this thread fills slots: count them once (2,000 rows join at once)
+            free = deque(i for i, r in enumerate(self.rows) if r is None)
+            claimed = self._claimed()
         while True:
             with self._lock:
-                free = [i for i, r in enumerate(self.rows) if r is None]
                 if not free or not self.waiting:
                     break
-                if self._claimed() + self.waiting[0].seq.capacity > self.max_tokens_in_flight:
+                if claimed + self.waiting[0].seq.capacity > self.max_tokens_in_flight:
                     break
                 r = self.waiting.popleft()
-                r.slot = free[0]
+                r.slot = free.popleft()
+                claimed += r.seq.capacity
                 self.rows[r.slot] = r
                 self.joining.append(r)
             self.engine.proposer.begin(r.slot, r.seq)
@@ -389,16 +396,24 @@ class Scheduler:
             admitted.append(r)
         # a group's chunk fits one iteration's budget (and PREFILL_TOKENS, the scores' memory)
         budget, chunk = min(self.config.prefill_tokens, PREFILL_TOKENS), self.config.prefill_chunk
-        for group in sorted(prefill_groups([len(r.seq.prompt) for r in admitted], budget, chunk), key=min):
-            self.prefilling.append(self._group([admitted[i] for i in sorted(group)]))
+        same: dict[tuple[int, ...], list[Request]] = {}  # a prompt -> the requests that sent it, oldest first
+        for r in admitted:
+            same.setdefault(tuple(r.seq.prompt), []).append(r)
+        askers = list(same.values())
+        for group in sorted(prefill_groups([len(rs[0].seq.prompt) for rs in askers], budget, chunk), key=min):
+            self.prefilling.append(self._group([askers[i] for i in sorted(group)]))
 
-    def _group(self, members: list[Request]) -> _Prefill:
-        """The prefill state of requests fed together (their rows in one cache of their own)."""
+    def _group(self, askers: list[list[Request]]) -> _Prefill:
+        """The prefill state of prompts fed together (one row each, in a cache of their own);
+        ``askers[j]``: the requests that sent prompt j."""
         model = self.engine.model
-        longest = max(len(r.seq.prompt) for r in members)
-        hidden = torch.zeros(len(members), model.config.hidden_size, dtype=model.dtype, device=model.device)  # [G, H]
-        parts = [{} for _ in members] if self.engine.wants.prompt else None
-        p = _Prefill(members, model.new_cache(len(members), longest), hidden, [False] * len(members), parts)
+        prompts = [list(rs[0].seq.prompt) for rs in askers]
+        members = [r for rs in askers for r in rs]
+        source = [j for j, rs in enumerate(askers) for _ in rs]
+        hidden = torch.zeros(len(prompts), model.config.hidden_size, dtype=model.dtype, device=model.device)  # [G, H]
+        parts = [{} for _ in prompts] if self.engine.wants.prompt else None
+        cache = model.new_cache(len(prompts), max(len(t) for t in prompts))
+        p = _Prefill(members, source, prompts, cache, hidden, [False] * len(prompts), parts)
         for r in members:
             r.prefill = p
         return p
@@ -410,7 +425,7 @@ class Scheduler:
         budget = self.config.prefill_tokens
         t0 = time.perf_counter()
         for p in list(self.prefilling):
-            prompts = [r.seq.prompt for r in p.members]
+            prompts = p.prompts
             while p.fed < p.longest and budget > 0 and p.waited_for:
                 width = min(self.config.prefill_chunk, p.longest - p.fed)
                 feed_chunk(self.engine.model, prompts, p.fed, width, p.cache, p.last_hidden, p.done,
@@ -419,7 +434,7 @@ class Scheduler:
                 self.counters.prefill_tokens += sum(max(0, min(len(t), p.fed + width) - p.fed) for t in prompts)
                 p.fed += width
                 budget -= len(prompts) * width
-                self._join([i for i, ok in enumerate(p.done) if ok and p.live(i)], p)
+                self._join([i for i, row in enumerate(p.source) if p.done[row] and p.live(i)], p)
             if p.waited_for:
                 break  # out of budget: this group goes on next iteration, and the later ones wait
             self.prefilling.remove(p)
@@ -427,21 +442,22 @@ class Scheduler:
                 break
         self.stats.prefill_s += time.perf_counter() - t0
 
-    def _join(self, rows: list[int], p: _Prefill) -> None:
-        """These rows' prompts are in: copy each into its slot, draw the first tokens, start
+    def _join(self, joining: list[int], p: _Prefill) -> None:
+        """These members' prompts are in: copy each into its slot, draw the first tokens, start
         decoding."""
-        if not rows:
+        if not joining:
             return
-        members = [p.members[i] for i in rows]
+        members = [p.members[i] for i in joining]
+        rows = [p.source[i] for i in joining]
         slots = [r.slot for r in members]
         assert all(slot is not None for slot in slots)
         self.cache.copy_rows(p.cache, slots, rows)  # type: ignore[arg-type]
         logits = self.engine.model.lm_logits(p.last_hidden[rows])  # [n, V]
         tokens = self.engine.first_tokens(logits, [r.seq for r in members])
-        for i, r, slot, token in zip(rows, members, slots, tokens):
+        for row, r, slot, token in zip(rows, members, slots, tokens):
             assert slot is not None
             if p.parts is not None:
-                self.engine.proposer.prefilled(slot, joined_features(p.parts[i]))  # type: ignore[attr-defined]
+                self.engine.proposer.prefilled(slot, joined_features(p.parts[row]))  # type: ignore[attr-defined]
             r.seq.append([token])
             r.first_token_at = time.perf_counter()
             with self._lock:
@@ -456,12 +472,11 @@ class Scheduler:
         below it (module doc, step 4)."""
         if not self.config.pack or not hasattr(self.engine.proposer, "move"):
             return
-        while True:
-            free = [i for i, r in enumerate(self.rows) if r is None]
-            running = [i for i, r in enumerate(self.rows) if r is not None and r.prefill is None]
-            if not free or not running or free[0] > running[-1]:
-                return
-            src, dst = running[-1], free[0]
+        free = deque(i for i, r in enumerate(self.rows) if r is None)
+        running = [i for i, r in enumerate(self.rows) if r is not None and r.prefill is None]
+        # a vacated slot lies above every request still to move, so it is never a destination
+        while free and running and free[0] < running[-1]:
+            src, dst = running.pop(), free.popleft()
             r = self.rows[src]
             assert r is not None
             self.cache.move_row(src, dst)

@@ -102,6 +102,13 @@ class KVCache:
                 raise ValueError(f"truncate: cannot move a row of length {old} to {n}")
         self.lengths = new
 
+    def truncate_row(self, row: int, length: int) -> None:
+        """Roll one row back to ``length`` (``truncate`` for one row, without touching the others)."""
+        old = self.lengths[row]
+        if not 0 <= length <= max(old, 0):
+            raise ValueError(f"truncate: cannot move a row of length {old} to {length}")
+        self.lengths[row] = length
+
     def commit(self, start: list[int], keep: Tensor, n_keep: list[int]) -> None:
         """Compact chosen appended positions into each row's prefix.
 

@@ -131,9 +131,7 @@ class DraftModelProposer:
 
     def _set_length(self, row: int, length: int) -> None:
         assert self.cache is not None
-        lengths = list(self.cache.lengths)
-        lengths[row] = length
-        self.cache.truncate(lengths)
+        self.cache.truncate_row(row, length)
 
     # -- cost ---------------------------------------------------------------------------------
     def setup_seconds(self, seqs: Seq[Sequence | None]) -> list[float]:
