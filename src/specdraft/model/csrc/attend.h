@@ -54,7 +54,7 @@ inline f16v shift_exponent(f16v p, f16v k) {  // p * 2^k, k integral
 #else
 // Without AVX-512, 16 lanes as two 8-lane halves (lanes 0-7, 8-15), each op done half by half:
 // the same arithmetic lane for lane as the 16-lane type, so the same bits. (GCC's own lowering
-// of a 64-byte vector on AVX2 went through memory: 6x slower.)
+// of a 64-byte vector on AVX2 went through memory: 5x slower.)
 struct f16v {
   f8v lo, hi;
 };
