@@ -1051,28 +1051,49 @@ def test_policy_trims_drafts_whose_label_rarely_pays() -> None:
     assert fixed.trim([weak], Plan([8], 1)) == [weak]  # the fixed policy drafts what it is given
 
 
-def test_policy_cuts_a_batch_where_few_rows_found_a_draft() -> None:
-    """The forward is as wide as the widest draft: one drafting row in eight does not pay for
-    the width, eight drafting rows do; a probe step keeps its drafts; fixed keeps everything."""
+def test_policy_prices_each_rows_draft_in_the_packed_forward() -> None:
+    """The verification forward is packed: a row pays for its own nodes, not for the widest
+    row's. One 8-token draft in a batch of eight is priced as one more token per row, an eighth
+    of the same draft in every row; so a lone row whose drafts are good keeps its draft, one
+    whose drafts fail has it cut; every row drafting is cut to a depth that pays; a probe step
+    keeps its drafts; fixed keeps everything."""
     batch = 8
-    cost = CostModel(table={batch: {q: 1.0 + 0.2 * (q - 1) for q in range(1, 10)}})  # width costs 20%/token
+    cost = CostModel(table={batch: {q: 1.0 + 0.2 * (q - 1) for q in range(1, 10)}})  # 20% per token and row
     policy = Policy(PolicyConfig(kind="adaptive", k=8), cost)
     for row in range(batch):
         policy.begin(row)
         for _ in range(10):  # alpha ~0.8 for every row
             policy.observe(row, Draft.chain(range(5)), Acceptance(tuple(range(4)), tuple(range(5))))
     assert 0.75 < policy.alpha(0) < 0.85
+    assert policy.verifying(batch, 8, batch, 8) == pytest.approx(1.2)  # = cost.latency(batch, 2, ...)
+    assert policy.verifying(batch, 8 * batch, batch, 8) == pytest.approx(2.6)
     lone = [Draft.chain(range(8))] + [Draft.empty()] * (batch - 1)
-    assert policy.batch_depth(lone, batch) == 0
     plan = Plan([8] * batch, batch)
-    assert all(len(d) == 0 for d in policy.trim(lone, plan))
+    assert policy.batch_depth(lone, batch) >= 3
+    assert policy.trim(lone, plan)[0] == lone[0].up_to_depth(policy.batch_depth(lone, batch))
     full = [Draft.chain(range(8))] * batch
     depth = policy.batch_depth(full, batch)
-    assert depth >= 3 and policy.trim(full, plan) == [d.up_to_depth(depth) for d in full]
-    # rows that are finished do not count: the one live row with a draft is the whole batch
-    assert policy.batch_depth(lone, batch, live=[True] + [False] * (batch - 1)) >= 3
+    assert 3 <= depth < 8 and policy.trim(full, plan) == [d.up_to_depth(depth) for d in full]
+    assert policy.batch_depth(lone, batch) > depth  # alone, the row's deeper nodes are cheap enough
+    failing = Policy(PolicyConfig(kind="adaptive", k=8), cost)
+    for row in range(batch):
+        failing.begin(row)
+        for _ in range(10):  # row 0's drafts are all rejected
+            failing.observe(row, Draft.chain(range(5)), Acceptance((), (1,)) if row == 0
+                            else Acceptance(tuple(range(4)), tuple(range(5))))
+    assert failing.batch_depth(lone, batch) == 0 and all(len(d) == 0 for d in failing.trim(lone, plan))
     assert policy.trim(lone, Plan([8] * batch, batch, "probe")) == lone
     assert Policy(PolicyConfig(kind="fixed", k=8)).trim(lone, plan) == lone
+    # attention keeps the padded width: measured as one row drafting, it is priced on top
+    alone = policy.batch_depth(lone, batch)
+    cost.lone[batch] = {q: 1.0 + 0.2 * (q - 1) / batch + 0.02 * (q - 1) for q in range(1, 10)}  # +0.02 per column
+    assert cost.padding(batch, 8) == pytest.approx(0.16)
+    assert policy.verifying(batch, 8, batch, 8) == pytest.approx(1.36)  # the lone forward as measured
+    assert policy.verifying(batch, 8 * batch, batch, 8) == pytest.approx(2.6)  # no padding: every row drafts 8
+    assert policy.verifying(batch, 4 * batch, batch, 8) == pytest.approx(1.8 + 0.16 * 32 / 56)  # 32 of 56 slots
+    assert 0 < policy.batch_depth(lone, batch) < alone  # the padding makes the lone row's deep nodes dear
+
+
 
 
 def test_speculation_must_beat_plain_by_the_margin() -> None:

@@ -213,13 +213,14 @@ class Engine:
         drafts = self._propose(batch, live, plan)
         t1 = time.perf_counter()
         before = list(cache.lengths)
-        out = self._verify(drafts, batch.last, cache)
+        out = self._verify(drafts, batch.last, cache, live)
         logits = out.logits  # [B, 1 + width, V]
         if self.speculative and logits.device.type == "cuda":
             torch.cuda.synchronize(logits.device)  # the forward's real time, for the cost model
         t2 = time.perf_counter()
-        if self.speculative:
-            self.policy.observe_verify_time(len(seqs), 1 + max(len(d) for d in drafts), t2 - t1)
+        if self.speculative:  # priced by the tokens it ran per row (the forward is packed)
+            sizes = [len(d) for d in drafts]
+            self.policy.observe_verify_time(len(seqs), 1 + sum(sizes) / len(seqs), t2 - t1, max(sizes))
         results: list[Acceptance | None] = []
         events: list[StreamEvent] = []
         for row, (s, draft) in enumerate(zip(seqs, drafts)):
@@ -293,18 +294,21 @@ class Engine:
             return 0
         return max(0, free if self.trees else min(seq.room - 1, free))
 
-    def _verify(self, drafts: list[Draft], last: list[int], cache: KVCache) -> ModelOutput:
-        """One target forward over each row's last token and its draft: logits [B, 1 + width, V]
-        and final hidden states [B, 1 + width, H]."""
+    def _verify(self, drafts: list[Draft], last: list[int], cache: KVCache, live: list[bool]) -> ModelOutput:
+        """One target forward over each live row's last token and its draft: logits [B, 1 + width, V]
+        and final hidden states [B, 1 + width, H]. Packed: a row's padding past its own draft,
+        and idle rows, cost no per-token work (``Transformer.forward``'s ``real``), so rows that
+        drafted fewer tokens than the widest do not pay for its width."""
         device = self.model.device
         width = max(len(d) for d in drafts)
         lengths = torch.tensor(cache.lengths, device=device)[:, None]  # [B, 1]
         taps = self.wants.taps
+        real = [1 + len(d) if on else 0 for d, on in zip(drafts, live)]
         if width == 0:
             tokens = torch.tensor(last, device=device)[:, None]  # [B, 1]
-            return self.model(tokens, lengths, cache, return_hidden=taps)
+            return self.model(tokens, lengths, cache, return_hidden=taps, real=real)
         tokens, relative, mask = verify_inputs(drafts, last, width, device)  # [B, 1 + W] x2, [B, 1 + W, 1 + W]
-        return self.model(tokens, lengths + relative, cache, mask=mask, return_hidden=taps)
+        return self.model(tokens, lengths + relative, cache, mask=mask, return_hidden=taps, real=real)
 
 
 def check_prompt(prompt: Seq[int], vocab_size: int, name: str = "the prompt") -> None:

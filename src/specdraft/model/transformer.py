@@ -77,25 +77,29 @@ class Block(nn.Module):
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache, layer: int,
-        plan: "KeyPlan | PromptRows | None" = None, wide: bool = False,
+        plan: "KeyPlan | PromptRows | None" = None, wide: bool = False, packing: "Packing | None" = None,
     ) -> Tensor:
-        """x: [B, T, H]; cos, sin: [B, T, 1, D]; mask: [B, 1, G*T, S] bool (True = attend) or None;
-        plan: batch-invariant attention, per query (KeyPlan) or per prompt row (PromptRows);
-        None = one fused call. wide: see ``Linear.forward``."""
+        """x: [B, T, H], or [N, H] with ``packing`` (the real tokens alone); cos, sin: [B, T, 1, D];
+        mask: [B, 1, G*T, S] bool (True = attend) or None; plan: batch-invariant attention, per
+        query (KeyPlan) or per prompt row (PromptRows); None = one fused call. wide: see
+        ``Linear.forward``."""
         # (submodules' forward called directly: they have no hooks, and a decode step makes
         # 210 of these calls, where nn.Module.__call__ alone would cost ~0.5 ms)
-        x = x + self.attention(self.attn_norm.forward(x), cos, sin, mask, cache, layer, plan, wide)
+        x = x + self.attention(self.attn_norm.forward(x), cos, sin, mask, cache, layer, plan, wide, packing)
         gate, up = self.w_gate_up.forward(self.ffn_norm.forward(x), wide).chunk(2, dim=-1)
         return x + self.w_down.forward(F.silu(gate) * up, wide)
 
     def attention(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache, layer: int,
-        plan: "KeyPlan | PromptRows | None" = None, wide: bool = False,
+        plan: "KeyPlan | PromptRows | None" = None, wide: bool = False, packing: "Packing | None" = None,
     ) -> Tensor:
         c = self.c
-        b, t, _ = x.shape
+        b, t = cos.shape[:2]
         hq, hkv = c.num_heads, c.num_kv_heads
-        qkv = self.wqkv.forward(x, wide).view(b, t, hq + 2 * hkv, c.head_dim)  # [B, T, Hq + 2 Hkv, D]
+        qkv = self.wqkv.forward(x, wide)  # [B, T, (Hq + 2 Hkv) D], or [N, ...] packed
+        if packing is not None:
+            qkv = packing.pad(qkv)  # [B, T, (Hq + 2 Hkv) D], padding zero
+        qkv = qkv.view(b, t, hq + 2 * hkv, c.head_dim)  # [B, T, Hq + 2 Hkv, D]
         qk = apply_rope(qkv[:, :, : hq + hkv], cos, sin)  # [B, T, Hq + Hkv, D], one call for q and k
         q = qk[:, :, :hq].transpose(1, 2)  # [B, Hq, T, D]
         k = qk[:, :, hq:].transpose(1, 2)  # [B, Hkv, T, D]
@@ -107,7 +111,10 @@ class Block(nn.Module):
             out = prompt_attention(q, keys, values, plan, c.group_size)  # [B, Hq, T, D]
         else:
             out = invariant_attention(q, keys, values, plan, c.group_size)  # [B, Hq, T, D]
-        return self.wo.forward(out.transpose(1, 2).reshape(b, t, hq * c.head_dim), wide)
+        flat = out.transpose(1, 2).reshape(b, t, hq * c.head_dim)  # [B, T, Hq D]
+        if packing is not None:
+            flat = packing.pick(flat)  # [N, Hq D]
+        return self.wo.forward(flat, wide)
 
 
 def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, group: int) -> Tensor:
@@ -213,6 +220,39 @@ def key_plan(lengths: list[int], t: int, full_mask: Tensor | None) -> KeyPlan:
     return plan
 
 
+@dataclass(frozen=True, slots=True)
+class Packing:
+    """Which tokens of a [B, T] forward are real: row b's first ``real[b]``, the rest padding
+    (a verification step's rows drafted different numbers of tokens; an idle row none). The
+    per-token work (embedding, norms, projections, MLP, LM head) then runs on the N real tokens
+    alone, packed in row order; attention and the cache keep the padded [B, T] layout, with
+    zero queries, keys and values at the padding, which no real token sees."""
+
+    index: Tensor  # [N] int64: the real tokens' flat positions b * T + i
+    rows: int  # B
+    width: int  # T
+
+    @classmethod
+    def of(cls, real: list[int], t: int, device: torch.device) -> "Packing | None":
+        """None where every token is real (nothing to skip) or none is."""
+        if any(not 0 <= r <= t for r in real):
+            raise ValueError(f"real must give 0..{t} tokens per row, got {real}")
+        n = sum(real)
+        if n == len(real) * t or n == 0:
+            return None
+        index = torch.tensor([b * t + i for b, r in enumerate(real) for i in range(r)], device=device)  # [N]
+        return cls(index, len(real), t)
+
+    def pick(self, x: Tensor) -> Tensor:
+        """[B, T, ...] -> [N, ...]: the real tokens' entries."""
+        return x.reshape(self.rows * self.width, *x.shape[2:]).index_select(0, self.index)
+
+    def pad(self, x: Tensor) -> Tensor:
+        """[N, ...] -> [B, T, ...]: the real tokens' entries in place, zero at the padding."""
+        full = x.new_zeros((self.rows * self.width, *x.shape[1:])).index_copy_(0, self.index, x)  # [B*T, ...]
+        return full.view(self.rows, self.width, *x.shape[1:])
+
+
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig, batch_invariant: bool = False) -> None:
         """batch_invariant: compute every token exactly as a one-token step would (attention one
@@ -264,6 +304,7 @@ class Transformer(nn.Module):
         return_hidden: tuple[int, ...] = (),
         logits: bool = True,
         prompt: list[int] | None = None,
+        real: list[int] | None = None,
     ) -> ModelOutput:
         """Run the new tokens of every row against that row's cached prefix.
 
@@ -282,6 +323,12 @@ class Transformer(nn.Module):
         prompt:     a prefill chunk (causal, mask None): row b's first prompt[b] tokens are its
                     prompt, the rest padding. A batch-invariant model then attends one call per
                     row instead of one per token (see ``prompt_attention``); others ignore it.
+        real:       row b's first real[b] tokens are real, the rest padding whose outputs nobody
+                    reads (a verification step's shorter drafts, idle rows: 0): the per-token
+                    work runs on the real tokens alone (``Packing``), and the padding's logits,
+                    hidden states and cached keys and values come back zero. A real token's
+                    outputs are those of the padded forward (bit for bit in a batch-invariant
+                    model: its products do not depend on the row count).
         """
         c = self.config
         b, t = tokens.shape
@@ -305,12 +352,13 @@ class Transformer(nn.Module):
             full_mask = full_mask.expand(b, 1, g, t, full_mask.shape[-1]).reshape(b, 1, g * t, -1)
         cos = self.rope_cos[positions].unsqueeze(2).to(self.dtype)  # [B, T, 1, D]
         sin = self.rope_sin[positions].unsqueeze(2).to(self.dtype)  # [B, T, 1, D], sign folded in
-        x = self.embed(tokens)  # [B, T, H]
+        packing = None if real is None else Packing.of(list(real), t, tokens.device)
+        x = self.embed(tokens if packing is None else packing.pick(tokens))  # [B, T, H], or [N, H] packed
         hidden = {0: x} if 0 in return_hidden else {}
         # 4-bit weights: prompt chunks (never compared with one-token steps, see prompt_attention)
         # and, where exactness across row counts is not promised, any wide product take the
         # dense packed path
-        wide = prompt is not None or (not self.batch_invariant and b * t >= WIDE_FROM_ROWS)
+        wide = prompt is not None or (not self.batch_invariant and x.numel() // x.shape[-1] >= WIDE_FROM_ROWS)
         fast = self._fast_layers(plan)
         if fast is not None:  # the same calls from C++ (fastpath.py)
             flat = [] if plan is None else [n for row in plan for n in row]
@@ -318,16 +366,21 @@ class Transformer(nn.Module):
             picks = [n for n in flat if not isinstance(n, int)]  # tree nodes' key indices
             hit = [i + 1 for i in ids if i + 1 in return_hidden]  # layer outputs to return, in run order
             x, *taps = fast.forward(x, cos, sin, cache.k, cache.v, list(cache.lengths), full_mask, counts, picks,
-                                    list(ids), hit, wide)
+                                    list(ids), hit, wide, None if packing is None else packing.index)
             hidden.update(zip(hit, taps))
         else:
             for i in ids:
-                x = self.layers[i](x, cos, sin, full_mask, cache, i, plan, wide)
+                x = self.layers[i](x, cos, sin, full_mask, cache, i, plan, wide, packing)
                 if i + 1 in return_hidden:
                     hidden[i + 1] = x
         cache.advance(t)
         x = self.norm(x)
-        return ModelOutput(logits=self.lm_logits(x) if logits else None, last_hidden=x, hidden=hidden)
+        out = self.lm_logits(x) if logits else None  # [B, T, V], or [N, V] packed
+        if packing is not None:  # back to [B, T, ...], the padding zero
+            out = None if out is None else packing.pad(out)
+            x = packing.pad(x)
+            hidden = {i: packing.pad(h) for i, h in hidden.items()}
+        return ModelOutput(logits=out, last_hidden=x, hidden=hidden)
 
     def _fast_layers(self, plan: "KeyPlan | PromptRows | None") -> Any:
         """The C++ layer loop where it applies (fastpath.py), else None: CPU inference with a

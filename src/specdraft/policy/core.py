@@ -54,10 +54,13 @@ accept/reject counts per label, across requests, and once a label has ``label_mi
 it cuts that label's drafts to the depth that maximises expected tokens per second with the
 label's own alpha, down to nothing: a 2-token match in creative text is rarely worth the
 verification it costs, a 4-token match in a summary is. Second, all drafts are cut to the one
-depth that pays for the whole batch now that it is known which rows found a draft: the
-forward is as wide as the widest row, so at batch 32 one row's 8-token draft would make 31
-draftless rows pay for it. Trimming depends only on past outcomes and the drafts, so it keeps
-the output exact.
+depth that pays for the whole batch now that it is known which rows found a draft. The
+verification forward is packed (``Engine._verify``): a row's projections, MLP and LM head are
+paid for its own nodes, not for the widest row's, while attention keeps the padded width. So a
+forward with N draft nodes over B rows, the widest W, is priced as B rows of 1 + N / B tokens
+on the measured curve plus the measured padding cost of width W (``verifying``,
+``CostModel.verification``). Trimming depends only on past outcomes and the drafts, so it
+keeps the output exact.
 
 A proposer may score its nodes (``Draft.confidence``: EAGLE's path probabilities; see
 ``policy/scored.py``). Its drafts are then priced by their own scores, calibrated per depth with
@@ -90,6 +93,11 @@ from specdraft.proposers.base import move_key
 
 HORIZON_TOKENS = 64  # tokens a row is assumed to have left when the caller does not say
 PROBE_SETUP_SHARE = 0.02  # probes' setups may cost up to this share of the time between probes
+
+
+def _share(sizes: Seq[int]) -> float:
+    """The share of the rows with something to draft (a budget, a draft)."""
+    return sum(n > 0 for n in sizes) / max(len(sizes), 1)
 
 
 class Policy:
@@ -191,7 +199,7 @@ class Policy:
             best = self.best_length(caps, batch, self._remaining(remaining))
         if best > 0 and paying > 0 and not self._repays(best, paying, caps, batch, remaining):
             best = 0
-        best, probe = self._gate(best, batch, paying)
+        best, probe = self._gate(best, batch, paying, _share(caps))
         if probe:  # its outcome is settled at the next step (trim() adds what it must gain)
             self.probe = Probe()
         return Plan([min(best, c) for c in caps], batch, "probe" if probe else "draft", remaining)
@@ -205,7 +213,8 @@ class Policy:
         left = [remaining[row] if remaining is not None else HORIZON_TOKENS for row in live]
         q_max = 1 + self.config.k
         steps = max(r / self.realism.scale(expected_tokens(self.alpha(row), min(k, caps[row]))) for row, r in zip(live, left))
-        spec = setup + steps * (self.cost.latency(batch, 1 + k, q_max) + self.proposing(batch, k))
+        nodes = [min(k, caps[row]) for row in live]
+        spec = setup + steps * (self.verifying(batch, sum(nodes), len(caps), max(nodes)) + self.proposing(batch, k))
         return spec * self.bar < max(left) * self.cost.latency(batch, 1, q_max)
 
     def _settle_probe(self) -> None:
@@ -214,15 +223,16 @@ class Policy:
             self.probe_gap = self.config.probe_every if self.probe.paid else min(2 * self.probe_gap, PROBE_GAP_MAX)
             self.probe = None
 
-    def _gate(self, best: int, batch: int, setup: float = 0.0) -> tuple[int, bool]:
+    def _gate(self, best: int, batch: int, setup: float = 0.0, share: float = 1.0) -> tuple[int, bool]:
         """(``best``, False) for a chosen draft length, or after ``probe_gap`` idle steps in a
         row a cheap probe of up to ``probe_k`` tokens (length, True); ``setup``: seconds the
-        proposer would spend first (see ``_probe_length``)."""
+        proposer would spend first, ``share``: of the rows, those that would draft (see
+        ``_probe_length``)."""
         if best > 0:
             self.idle_steps = 0
             return best, False
         self.idle_steps += 1
-        length = self._probe_length(batch, setup) if self.idle_steps >= self.probe_gap else 0
+        length = self._probe_length(batch, setup, share) if self.idle_steps >= self.probe_gap else 0
         if length:
             self.idle_steps = 0
         return length, length > 0
@@ -239,9 +249,9 @@ class Policy:
         """The remaining counts the objective uses (none for throughput)."""
         return remaining if self.config.objective == "batch-end" else None
 
-    def _probe_length(self, batch: int, setup: float = 0.0) -> int:
-        """The longest probe (up to ``probe_k`` tokens) whose forward and drafting cost at most
-        ``probe_cost`` plain steps (0: none does). A proposer's setup must fit in what is left
+    def _probe_length(self, batch: int, setup: float = 0.0, share: float = 1.0) -> int:
+        """The longest probe (up to ``probe_k`` tokens) whose forward (``share`` of the rows
+        drafting) and drafting cost at most ``probe_cost`` plain steps (0: none does). A proposer's setup must fit in what is left
         of that allowance, or in ``PROBE_SETUP_SHARE`` of the plain steps since the last step
         that drafted or probed (``idle_steps``): probing then costs at most that share of the time
         however it goes, and an idle draft model or head still catches up, after long enough,
@@ -252,7 +262,7 @@ class Policy:
         plain = self.cost.latency(batch, 1, q_max)
         allowed = self.config.probe_cost * plain
         for n in range(self.config.probe_k, 0, -1):
-            probe = self.cost.latency(batch, 1 + n, q_max) + self.proposing(batch, n)
+            probe = self.cost.verification(batch, n * share, n, q_max) + self.proposing(batch, n)
             if probe <= allowed and setup <= max(allowed - probe, PROBE_SETUP_SHARE * self.idle_steps * plain):
                 return n
         return 0
@@ -271,7 +281,8 @@ class Policy:
         best, best_rate = 0, 0.0
         for k in range(0, self.config.k + 1):
             gain = progress([self.realism.scale(expected_tokens(a, min(k, c))) for a, c in alphas], left)
-            cost = self.cost.latency(batch, 1 + k, q_max) + self.proposing(batch, k)
+            nodes = [min(k, c) for c in caps]
+            cost = self.verifying(batch, sum(nodes), len(caps), max(nodes)) + self.proposing(batch, k)
             rate = gain / cost * (self.bar if k == 0 else 1.0)
             if rate > best_rate:
                 best, best_rate = k, rate
@@ -291,7 +302,8 @@ class Policy:
         best, best_rate = 0, self.bar * progress([1.0] * len(live), left) / self.cost.latency(batch, 1, q_max)
         for n in range(1, self.config.k + 1):
             gain = progress([1.0 + o.at(min(n, caps[row])) for o, row in zip(outlooks, live)], left)
-            rate = gain / (self.cost.latency(batch, 1 + n, q_max) + self.proposing(batch, n))
+            nodes = [min(n, c) for c in caps]
+            rate = gain / (self.verifying(batch, sum(nodes), len(caps), max(nodes)) + self.proposing(batch, n))
             if rate > best_rate:
                 best, best_rate = n, rate
         return best
@@ -348,7 +360,7 @@ class Policy:
             size = self.batch_depth(out, batch, live, remaining)
         probe = False
         if plan.mode == "look" and any(len(d) for d in out):  # the budget was not gated: gate here
-            size, probe = self._gate(size, batch)
+            size, probe = self._gate(size, batch, share=_share([len(d) for d in out]))
         kept = [d.top(size) if d.confidence is not None else d.up_to_depth(size) for d in out]
         if probe:  # the gate chose a probe (a cheap proposer's): its drafts are for evidence
             self.probe = Probe(needs=self._probe_needs(kept, batch, live))
@@ -366,9 +378,9 @@ class Policy:
         large batch one accepted token does not pay for a wider forward."""
         assert self.cost is not None
         q_max = 1 + self.config.k
-        width = max((len(d) for d in drafts), default=0)
         rows = sum(live) if live is not None else len(drafts)
-        ratio = self.cost.latency(batch, 1 + width, q_max) / self.cost.latency(batch, 1, q_max)
+        sizes = [len(d) for d in drafts]
+        ratio = self.verifying(batch, sum(sizes), len(drafts), max(sizes, default=0)) / self.cost.latency(batch, 1, q_max)
         return rows * (ratio - 1.0)
 
     def _expect(self, drafts: Seq[Draft], asked: Seq[int]) -> list[list[float]]:
@@ -397,7 +409,7 @@ class Policy:
                           live: Seq[bool] | None = None, remaining: Seq[int] | None = None) -> int:
         """The number n of most confident nodes to keep in every row's draft that makes the
         batch progress fastest per second: row i emits 1 + gains[i][min(n, its nodes)] tokens,
-        the forward costs latency(batch, 1 + the widest row's kept nodes)."""
+        the forward costs what its nodes cost (``verifying``: packed, a row pays for its own)."""
         assert self.cost is not None
         live = [True] * len(drafts) if live is None else live
         widest = max(len(d) for d in drafts)
@@ -407,7 +419,8 @@ class Policy:
         best, best_rate = 0, self.bar * progress([1.0] * len(rows), left) / self.cost.latency(batch, 1, q_max)
         for n in range(1, widest + 1):
             gain = progress([1.0 + g[min(n, len(g) - 1)] for g in rows], left)
-            rate = gain / self.cost.latency(batch, 1 + n, q_max)
+            kept = [min(n, len(d)) for d in drafts]
+            rate = gain / self.verifying(batch, sum(kept), len(drafts), max(kept))
             if rate > best_rate:
                 best, best_rate = n, rate
         return best
@@ -434,9 +447,9 @@ class Policy:
         """The depth K to cut every draft to that makes the batch progress fastest per second
         (``progress``): each live row emits E(alpha, min(K, its depth)) tokens (alpha its
         label's if known, else its row's; 1 for a row without a draft), and the forward costs
-        latency(batch, 1 + the most nodes a row keeps). The budget was chosen before the
-        proposer ran; here rows that got no draft gain nothing while the widest draft still
-        sets the cost, so a batch where few rows found a draft stops speculating."""
+        what the nodes kept cost (``verifying``). The budget was chosen before the proposer
+        ran; here the rows that got no draft gain nothing and, the forward being packed, cost
+        nothing more either."""
         assert self.cost is not None
         live = [True] * len(drafts) if live is None else live
         depths = [sorted(d.depths()) for d in drafts]  # per row: its nodes' depths, ascending
@@ -449,8 +462,8 @@ class Policy:
         best, best_rate = 0, self.bar * progress([1.0] * len(rows), left) / self.cost.latency(batch, 1, 1 + self.config.k)
         for k in range(1, deepest + 1):
             gain = progress([self.realism.scale(expected_tokens(a, min(k, depth))) for a, depth in rows], left)
-            width = max(bisect_right(ds, k) for ds in depths)  # nodes kept by the widest row
-            rate = gain / self.cost.latency(batch, 1 + width, 1 + self.config.k)
+            kept = [bisect_right(ds, k) for ds in depths]  # per row: the nodes it keeps
+            rate = gain / self.verifying(batch, sum(kept), len(drafts), max(kept))
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
@@ -484,11 +497,20 @@ class Policy:
             return
         self.propose_costs.setdefault(batch, ProposeCost()).observe(budget, seconds)
 
-    def observe_verify_time(self, batch: int, q: int, seconds: float) -> None:
-        """A verification forward of ``batch`` rows over ``q`` tokens each took ``seconds``: it
-        corrects the cost model's measured curve (``CostModel.observe``)."""
+    def observe_verify_time(self, batch: int, q: float, seconds: float, width: int | None = None) -> None:
+        """A verification forward of ``batch`` rows over ``q`` tokens each (packed: the mean;
+        ``width``: the widest row's draft) took ``seconds``: it corrects the cost model's
+        measured curve (``CostModel.observe``)."""
         if self.config.kind == "adaptive" and self.cost is not None:
-            self.cost.observe(batch, q, seconds)
+            self.cost.observe(batch, q, seconds, width)
+
+    def verifying(self, batch: int, nodes: float, rows: int, width: int) -> float:
+        """The expected seconds of a verification forward of ``rows`` rows carrying ``nodes``
+        draft nodes in all, the widest row ``width``, priced at ``batch`` rows. The forward is
+        packed (``Engine._verify``): a row's projections and MLP are paid for its own nodes, not
+        the widest row's; attention keeps the padded width (``CostModel.verification``)."""
+        assert self.cost is not None
+        return self.cost.verification(batch, nodes / max(rows, 1), width, 1 + self.config.k)
 
     def proposing(self, batch: int, budget: int) -> float:
         """The proposer's expected seconds for a budget at this batch size: measured at this

@@ -7,6 +7,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -35,46 +36,89 @@ class CostModel:
     Once a token count has ``OBSERVED_MIN`` observations, the measured point times their running
     mean replaces it, and the points in between are scaled by the observed ratios (interpolated,
     held constant past the observed ones), made non-decreasing again. A table given without a
-    model is not corrected unless ``learns``."""
+    model is not corrected unless ``learns``.
+
+    Verification is packed (``Transformer.forward``'s ``real``): the per-token work follows the
+    tokens the rows really carry, but attention keeps the padded layout, as wide as the widest
+    row. ``verification`` prices such a forward as the full curve at its mean tokens per row
+    plus the *padding* cost of its width: what a forward with one row drafting that width costs
+    beyond the full curve at its tokens (``lone``, measured with the table; none in a table
+    given without it). Measured on the default model at batch 64 and 300 cached tokens: plain
+    332 ms, 8 rows drafting 4 tokens 534 ms packed (1,066 ms padded), of which ~140 ms is the
+    padded attention."""
 
     model: Transformer | None = None
     table: dict[int, dict[int, float]] = field(default_factory=dict)  # batch -> q -> seconds
     prefix: int = 128  # cached tokens per row during measurement
     batch_grid: tuple[int, ...] = ()
     learns: bool | None = None  # correct the curve with observed forwards (None: when it measures itself)
+    lone: dict[int, dict[int, float]] = field(default_factory=dict)  # batch -> 1 + width -> seconds, one row drafting
     observed: dict[int, dict[int, list[float]]] = field(default_factory=dict)  # batch -> q -> [mean ratio, count]
     _curves: dict[int, dict[int, float]] = field(default_factory=dict)  # batch -> the corrected curve
 
     def _bucket(self, batch: int) -> int:
         return min((b for b in self.batch_grid if b >= batch), default=batch)
 
-    def latency(self, batch: int, q: int, q_max: int) -> float:
+    def latency(self, batch: int, q: float, q_max: int) -> float:
+        """Seconds of a forward of ``batch`` rows over ``q`` new tokens per row; a fraction is
+        a packed forward's tokens per row (rows that drafted fewer nodes than others)."""
         batch = self._bucket(batch)
         if batch not in self.table:
             if self.model is None:
                 raise SpecdraftError(f"cost model has no measurement for batch {batch}")
-            self.table[batch] = monotone(measure_latency(self.model, batch, _grid(q_max), self.prefix))
+            full, lone = measure_latency(self.model, batch, _grid(q_max), self.prefix, lone=True)
+            self.table[batch], self.lone[batch] = monotone(full), monotone(lone)
         curve = self._curves.get(batch)
         if curve is None:
             curve = self._curves[batch] = self._corrected(batch)
         return _interpolate(curve, q)
 
-    def observe(self, batch: int, q: int, seconds: float) -> None:
-        """A real forward of ``batch`` rows over ``q`` new tokens each took ``seconds``."""
+    def verification(self, batch: int, per_row: float, width: int, q_max: int) -> float:
+        """Seconds of a packed verification forward of ``batch`` rows carrying ``per_row`` draft
+        nodes each on average, the widest row ``width``: the full curve at 1 + per_row tokens
+        per row, plus its padding slots (rows x width - nodes) at the padding cost per slot of
+        that width (see the class doc): none when every row drafts ``width``."""
+        return self.latency(batch, 1.0 + per_row, q_max) + self.padded(batch, per_row, width)
+
+    def padded(self, batch: int, per_row: float, width: int) -> float:
+        """The padding slots' share of ``verification``: rows x width - nodes slots, at what
+        one slot of the lone forward's padding ((rows - 1) x width slots) cost."""
+        bucket = self._bucket(batch)
+        if bucket <= 1 or width <= 0:
+            return 0.0
+        share = bucket * max(0.0, width - per_row) / ((bucket - 1) * width)
+        return share * self.padding(batch, width)
+
+    def padding(self, batch: int, width: int) -> float:
+        """What the padding of a forward with one row drafting ``width`` tokens beside plain
+        rows costs: that forward as measured, less the full curve at its tokens (0 where not
+        measured)."""
+        bucket = self._bucket(batch)
+        lone = self.lone.get(bucket)
+        if width <= 0 or not lone or bucket not in self.table:
+            return 0.0
+        return max(0.0, _interpolate(lone, 1 + width) - _interpolate(self.table[bucket], 1.0 + width / bucket))
+
+    def observe(self, batch: int, q: float, seconds: float, width: int | None = None) -> None:
+        """A real forward of ``batch`` rows over ``q`` new tokens each (a packed forward's mean;
+        ``width``: its widest row's draft, None = every row q) took ``seconds``. Its ratio to
+        the measured price (curve and padding) is counted at the nearest whole token count."""
         if not (self.learns if self.learns is not None else self.model is not None):
             return  # a given table (a test's, a simulation's) is taken as it is
         bucket = self._bucket(batch)
         expected = self._measured_at(batch, q)
         if expected is None or seconds <= 0:
             return  # nothing measured to compare with (a fixed policy never prices this batch)
+        if width is not None:
+            expected += self.padded(batch, q - 1.0, width)
         ratio = seconds / expected
-        o = self.observed.setdefault(bucket, {}).setdefault(q, [ratio, 0.0])
+        o = self.observed.setdefault(bucket, {}).setdefault(max(1, round(q)), [ratio, 0.0])
         o[0] = OBSERVED_DECAY * o[0] + (1 - OBSERVED_DECAY) * ratio if o[1] else ratio
         o[1] += 1
         if o[1] >= OBSERVED_MIN:
             self._curves.pop(bucket, None)
 
-    def _measured_at(self, batch: int, q: int) -> float | None:
+    def _measured_at(self, batch: int, q: float) -> float | None:
         """The measured curve's latency for ``batch`` rows: its bucket's, or, between two
         measured grid sizes, interpolated linearly in the rows (None: the bucket is not
         measured, or the size below it is not and the batch is not a grid size itself)."""
@@ -100,7 +144,7 @@ class CostModel:
         return monotone({q: _interpolate(base, q) * _held(ratios, q) for q in points})
 
 
-def _held(points: dict[int, float], q: int) -> float:
+def _held(points: dict[int, float], q: float) -> float:
     """Linear interpolation between the points, held constant past the first and last."""
     xs = sorted(points)
     if q <= xs[0]:
@@ -137,7 +181,7 @@ def monotone(points: dict[int, float]) -> dict[int, float]:
     return dict(zip(xs, values))
 
 
-def _interpolate(points: dict[int, float], q: int) -> float:
+def _interpolate(points: dict[int, float], q: float) -> float:
     xs = sorted(points)
     if q in points:
         return points[q]
@@ -153,8 +197,11 @@ def _interpolate(points: dict[int, float], q: int) -> float:
 
 @torch.inference_mode()
 def measure_latency(model: Transformer, batch: int, qs: Seq[int], prefix: int = 128, repeats: int = 5,
-                    clock: Callable[[], float] = time.perf_counter) -> dict[int, float]:
+                    clock: Callable[[], float] = time.perf_counter, lone: bool = False
+                    ) -> Any:
     """Median seconds of a forward over q new tokens per row after ``prefix`` cached tokens.
+    With ``lone``: (that, the same for a packed forward in which row 0 carries q tokens and the
+    others one each), the second measured in the same rounds.
     Measured within the model's context: the prefix shrinks (and the widest q is capped) so
     that prefix + q never passes it. The token counts take turns, one forward each per round
     (after a warm-up round): a slow spell of a shared machine then slows every count alike
@@ -171,17 +218,22 @@ def measure_latency(model: Transformer, batch: int, qs: Seq[int], prefix: int = 
               torch.arange(prefix, device=device).expand(batch, prefix), cache, logits=False)
     inputs = {q: (torch.randint(0, vocab, (batch, q), device=device),  # [B, q]
                   (prefix + torch.arange(q, device=device)).expand(batch, q)) for q in qs}  # [B, q]
-    times: dict[int, list[float]] = {q: [] for q in qs}
+    kinds = [(q, False) for q in qs] + ([(q, True) for q in qs if q > 1] if lone else [])
+    times: dict[tuple[int, bool], list[float]] = {kind: [] for kind in kinds}
     for i in range(repeats + 1):
-        for q in qs:
+        for q, alone in kinds:
+            packed = {"real": [q] + [1] * (batch - 1)} if alone else {}
             t0 = clock()
-            model(*inputs[q], cache)
+            model(*inputs[q], cache, **packed)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             cache.truncate(prefix)
             if i:  # the first round is a warm-up
-                times[q].append(clock() - t0)
-    return {q: statistics.median(t) for q, t in times.items()}
+                times[(q, alone)].append(clock() - t0)
+    full = {q: statistics.median(times[(q, False)]) for q in qs}
+    if not lone:
+        return full
+    return full, {1: full[min(qs)], **{q: statistics.median(times[(q, True)]) for q in qs if q > 1}}
 
 
 @dataclass(slots=True)

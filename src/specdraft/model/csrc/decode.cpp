@@ -193,13 +193,17 @@ Tensor invariant(const Dims& n, const Tensor& q, const Tensor& k, const Tensor& 
   return out.view({b, t, n.hq, n.d}).transpose(1, 2);
 }
 
-// Block.attention after the norm: x [B, T, In] -> [B, T, H]; kl, vl: this layer's cache [B, Hkv, S, D]
+// Block.attention after the norm: x [B, T, In] -> [B, T, H], or [N, In] -> [N, H] with index
+// (transformer.py's Packing: the real tokens' flat positions, padded around attention);
+// kl, vl: this layer's cache [B, Hkv, S, D]
 Tensor attention(const Dims& n, const Linear& wqkv, const Linear& wo, const Tensor& x, const Tensor& cos,
                  const Tensor& sin, const Tensor& kl, const Tensor& vl, const std::vector<int64_t>& lengths,
                  const std::optional<Tensor>& mask, const std::vector<int64_t>& counts, const std::vector<Tensor>& picks,
-                 bool wide) {
-  const int64_t b = x.size(0), t = x.size(1), g = n.hq / n.hkv;
-  Tensor qkv = apply(wqkv, x, wide).view({b, t, n.hq + 2 * n.hkv, n.d});
+                 bool wide, const std::optional<Tensor>& index) {
+  const int64_t b = cos.size(0), t = cos.size(1), g = n.hq / n.hkv;
+  Tensor qkv = apply(wqkv, x, wide);
+  if (index) qkv = at::zeros({b * t, qkv.size(-1)}, qkv.options()).index_copy_(0, *index, qkv);  // Packing.pad
+  qkv = qkv.view({b, t, n.hq + 2 * n.hkv, n.d});
   Tensor qk = rope(qkv.slice(2, 0, n.hq + n.hkv), cos, sin);
   Tensor q = qk.slice(2, 0, n.hq).transpose(1, 2);
   Tensor k = qk.slice(2, n.hq).transpose(1, 2);
@@ -212,7 +216,9 @@ Tensor attention(const Dims& n, const Linear& wqkv, const Linear& wo, const Tens
   } else {
     o = invariant(n, q, keys, values, counts, picks);
   }
-  return apply(wo, o.transpose(1, 2).reshape({b, t, n.hq * n.d}), wide);
+  Tensor flat = o.transpose(1, 2).reshape({b, t, n.hq * n.d});
+  if (index) flat = flat.reshape({b * t, n.hq * n.d}).index_select(0, *index);  // Packing.pick
+  return apply(wo, flat, wide);
 }
 
 Tensor mlp(const Linear& gate_up, const Linear& down, const Tensor& x, bool wide) {
@@ -256,11 +262,12 @@ class Layers {
   // lengths: committed length of each row; mask: [B, 1, G*T, S] bool or undefined;
   // counts: batch-invariant plan, B*T key counts (empty: one fused attention call; -1: the next
   // of picks, a tree node's key indices);
-  // ids: the layers to run; taps: layer outputs to return (i + 1 after layer i; 0 = x).
+  // ids: the layers to run; taps: layer outputs to return (i + 1 after layer i; 0 = x);
+  // index: x is [N, H], these real tokens of the [B, T] layout (transformer.py's Packing), or none.
   std::vector<Tensor> forward(Tensor x, Tensor cos, Tensor sin, Tensor k_cache, Tensor v_cache,
                               std::vector<int64_t> lengths, std::optional<Tensor> mask, std::vector<int64_t> counts,
                               std::vector<Tensor> picks, std::vector<int64_t> ids, std::vector<int64_t> taps,
-                              bool wide) {
+                              bool wide, std::optional<Tensor> index) {
     std::vector<Tensor> out;
     auto tapped = [&](int64_t i) {
       for (int64_t t : taps) if (t == i) return true;
@@ -268,7 +275,7 @@ class Layers {
     };
     if (tapped(0)) out.push_back(x);
     for (int64_t i : ids) {
-      x = block(layers_[i], x, cos, sin, k_cache, v_cache, i, lengths, mask, counts, picks, wide);
+      x = block(layers_[i], x, cos, sin, k_cache, v_cache, i, lengths, mask, counts, picks, wide, index);
       if (tapped(i + 1)) out.push_back(x);
     }
     out.insert(out.begin(), x);
@@ -278,10 +285,11 @@ class Layers {
  private:
   Tensor block(const Layer& p, Tensor x, const Tensor& cos, const Tensor& sin, const Tensor& kc, const Tensor& vc,
                int64_t layer, const std::vector<int64_t>& lengths, const std::optional<Tensor>& mask,
-               const std::vector<int64_t>& counts, const std::vector<Tensor>& picks, bool wide) {
+               const std::vector<int64_t>& counts, const std::vector<Tensor>& picks, bool wide,
+               const std::optional<Tensor>& index) {
     const Dims n{hq_, hkv_, d_};
     x = x + attention(n, p.wqkv, p.wo, rms_norm(x, p.attn_norm, p.eps), cos, sin, kc.select(0, layer),
-                      vc.select(0, layer), lengths, mask, counts, picks, wide);
+                      vc.select(0, layer), lengths, mask, counts, picks, wide, index);
     return x + mlp(p.gate_up, p.down, rms_norm(x, p.ffn_norm, p.eps), wide);
   }
 
@@ -321,11 +329,11 @@ class HeadLayer {
     const std::vector<Tensor> no_picks;
     if (eagle_) {
       Tensor x = at::cat({rms_norm(e, norms_[0], eps_), rms_norm(hidden, norms_[1], eps_)}, -1);
-      Tensor h = hidden + attention(n_, lins_[0], lins_[1], x, cos, sin, kc, vc, lengths, mask, none, no_picks, false);
+      Tensor h = hidden + attention(n_, lins_[0], lins_[1], x, cos, sin, kc, vc, lengths, mask, none, no_picks, false, std::nullopt);
       return h + mlp(lins_[2], lins_[3], rms_norm(h, norms_[2], eps_), false);
     }
     Tensor x = apply(lins_[0], at::cat({rms_norm(e, norms_[0], eps_), rms_norm(hidden, norms_[1], eps_)}, -1), false);
-    x = x + attention(n_, lins_[1], lins_[2], rms_norm(x, norms_[2], eps_), cos, sin, kc, vc, lengths, mask, none, no_picks, false);
+    x = x + attention(n_, lins_[1], lins_[2], rms_norm(x, norms_[2], eps_), cos, sin, kc, vc, lengths, mask, none, no_picks, false, std::nullopt);
     return x + mlp(lins_[3], lins_[4], rms_norm(x, norms_[3], eps_), false);
   }
 
