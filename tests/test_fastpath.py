@@ -11,7 +11,7 @@ import torch
 from specdraft.model import fastpath
 from specdraft.model.load_hf import load_hf
 from specdraft.model.loader import build_transformer
-from specdraft.model.transformer import Transformer
+from specdraft.model.transformer import Packing, Transformer
 from tiny_models import write_hf_model
 
 MODES = ["float32", "bfloat16", "bfloat16-bi", "int4", "int4-bi"]
@@ -109,18 +109,23 @@ def test_tree_masks_agree(model: Transformer) -> None:
     _same(_both(model, 2, ragged))
 
 
-def test_a_packed_forward_computes_the_real_tokens_alone(request: pytest.FixtureRequest, model: Transformer) -> None:
+@pytest.mark.parametrize("real", [[4, 2, 1, 0], [4, 2, 3, 1]], ids=["split", "padded"])
+def test_a_packed_forward_computes_the_real_tokens_alone(request: pytest.FixtureRequest, model: Transformer,
+                                                         real: list[int]) -> None:
     """A forward told which tokens are real (``real``: a verification step's shorter drafts, an
     idle row) gives its real tokens what the padded forward gives them: the same bits in a
     batch-invariant mode, within rounding in the others (their products' rounding may follow
-    the row count); the padding's outputs and cached keys and values are zero; the C++ and the
-    Python loops agree bit for bit. Row 0 is a tree, row 1 a chain cut short, row 2 idle."""
-    real = [4, 2, 0]
-    starts = [40, 33, 37]
+    the row count, and where at most half the rows drafted, attention is split); the padding's
+    outputs and cached keys and values are zero; the C++ and the Python loops agree bit for
+    bit. Row 0 is a tree, rows 1-3 chains cut short (a row with 0 tokens: idle)."""
+    starts = [40, 33, 37, 35]
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
-    mask = torch.stack([tree, torch.ones(4, 4, dtype=torch.bool).tril(), torch.eye(4, dtype=torch.bool)])  # [3, 4, 4]
-    tokens = torch.tensor([[5, 6, 7, 8], [10, 11, 0, 0], [0, 0, 0, 0]])
-    positions = torch.tensor(starts)[:, None] + torch.tensor([[0, 1, 1, 2], [0, 1, 1, 1], [0, 1, 1, 1]])
+    chain = torch.ones(4, 4, dtype=torch.bool).tril()
+    mask = torch.stack([tree, chain, chain, chain])  # [4, 4, 4]
+    tokens = torch.tensor([[5, 6, 7, 8], [10, 11, 12, 13], [3, 4, 5, 6], [9, 8, 7, 6]])
+    positions = torch.tensor(starts)[:, None] + torch.tensor([[0, 1, 1, 2]] + [[0, 1, 2, 3]] * 3)
+    packing = Packing.of(real, 4, torch.device("cpu"))
+    assert packing is not None and (packing.deep is not None) == (real == [4, 2, 1, 0])
 
     def run(packed: bool):  # type: ignore[no-untyped-def]
         def go(cache):  # type: ignore[no-untyped-def]
@@ -129,9 +134,9 @@ def test_a_packed_forward_computes_the_real_tokens_alone(request: pytest.Fixture
             return [out.logits, out.hidden[0], out.hidden[2], out.last_hidden]
         return go
 
-    packed = _both(model, 3, run(True))
+    packed = _both(model, 4, run(True))
     _same(packed)
-    padded = _both(model, 3, run(False))[0]
+    padded = _both(model, 4, run(False))[0]
     exact = request.node.callspec.params["model"].endswith("-bi")
     for i, (a, b) in enumerate(zip(packed[0], padded)):
         if i >= 4:  # the cache [L, B, Hkv, 60, D]: each row's real positions

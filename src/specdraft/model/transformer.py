@@ -22,6 +22,7 @@ from specdraft.model.linear import Linear
 from specdraft.model.rope import apply_rope, rope_table
 
 
+SPLIT_SHARE = 0.5  # packed forwards where at most this share of rows drafted split their attention
 WIDE_FROM_ROWS = 16  # 4-bit weights: products with this many rows use the dense path (quant.py)
 
 
@@ -105,7 +106,9 @@ class Block(nn.Module):
         k = qk[:, :, hq:].transpose(1, 2)  # [B, Hkv, T, D]
         v = qkv[:, :, hq + hkv :].transpose(1, 2)  # [B, Hkv, T, D]
         keys, values = cache.write(layer, k, v)  # [B, Hkv, S, D]
-        if plan is None:
+        if plan is None and packing is not None and packing.deep is not None and mask is not None:
+            out = split_attention(q, keys, values, mask, c.group_size, packing.deep)  # [B, Hq, T, D]
+        elif plan is None:
             out = grouped_attention(q, keys, values, mask, c.group_size)  # [B, Hq, T, D]
         elif isinstance(plan, PromptRows):
             out = prompt_attention(q, keys, values, plan, c.group_size)  # [B, Hq, T, D]
@@ -128,6 +131,28 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, grou
     qg = q.reshape(b, k.shape[1], group * t, d)  # head h = kv * group + g
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)  # [B, Hkv, G*T, D]
     return out.view(b, hq, t, d)
+
+
+def split_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, group: int, deep: Tensor) -> Tensor:
+    """``grouped_attention`` for a packed forward in which few rows carry more than their root:
+    every row's root token in one call over all rows, then the ``deep`` rows' other slots in one
+    call over those rows' keys alone (copied out), instead of every row's padding attending to
+    every key. Slots of other rows past the root come back zero (padding nobody reads).
+
+    q: [B, Hq, T, D]; k, v: [B, Hkv, S, D]; mask: [B, 1, G*T, S] bool; deep: [R] row indices.
+    Returns [B, Hq, T, D]."""
+    b, hq, t, d = q.shape
+    hkv, r = k.shape[1], deep.shape[0]
+    m = mask.view(b, 1, group, t, mask.shape[-1])  # [B, 1, G, T, S]
+    roots = F.scaled_dot_product_attention(q[:, :, 0].reshape(b, hkv, group, d), k, v,
+                                           attn_mask=m[:, :, :, 0])  # [B, Hkv, G, D]
+    out = q.new_zeros(b, hq, t, d)
+    out[:, :, 0] = roots.view(b, hq, d)
+    qd = q.index_select(0, deep)[:, :, 1:].reshape(r, hkv, group * (t - 1), d)  # [R, Hkv, G*(T-1), D]
+    md = m.index_select(0, deep)[:, :, :, 1:].reshape(r, 1, group * (t - 1), m.shape[-1])  # [R, 1, G*(T-1), S]
+    rest = F.scaled_dot_product_attention(qd, k.index_select(0, deep), v.index_select(0, deep), attn_mask=md)
+    out[:, :, 1:].index_copy_(0, deep, rest.view(r, hq, t - 1, d))  # [R, Hq, T-1, D] into the deep rows
+    return out
 
 
 # For each row, for each new token: the keys it sees, as a count (the first n positions, the
@@ -231,17 +256,22 @@ class Packing:
     index: Tensor  # [N] int64: the real tokens' flat positions b * T + i
     rows: int  # B
     width: int  # T
+    deep: Tensor | None = None  # [R] int64: the rows with more than a root, where attention is split
 
     @classmethod
     def of(cls, real: list[int], t: int, device: torch.device) -> "Packing | None":
-        """None where every token is real (nothing to skip) or none is."""
+        """None where every token is real (nothing to skip) or none is. Where at most
+        ``SPLIT_SHARE`` of the rows carry more than one token, attention (not batch-invariant)
+        is split (``split_attention``)."""
         if any(not 0 <= r <= t for r in real):
             raise ValueError(f"real must give 0..{t} tokens per row, got {real}")
         n = sum(real)
         if n == len(real) * t or n == 0:
             return None
         index = torch.tensor([b * t + i for b, r in enumerate(real) for i in range(r)], device=device)  # [N]
-        return cls(index, len(real), t)
+        deep = [b for b, r in enumerate(real) if r > 1]
+        split = t > 1 and 0 < len(deep) <= SPLIT_SHARE * len(real)
+        return cls(index, len(real), t, torch.tensor(deep, device=device) if split else None)
 
     def pick(self, x: Tensor) -> Tensor:
         """[B, T, ...] -> [N, ...]: the real tokens' entries."""
@@ -366,7 +396,8 @@ class Transformer(nn.Module):
             picks = [n for n in flat if not isinstance(n, int)]  # tree nodes' key indices
             hit = [i + 1 for i in ids if i + 1 in return_hidden]  # layer outputs to return, in run order
             x, *taps = fast.forward(x, cos, sin, cache.k, cache.v, list(cache.lengths), full_mask, counts, picks,
-                                    list(ids), hit, wide, None if packing is None else packing.index)
+                                    list(ids), hit, wide, None if packing is None else packing.index,
+                                    None if packing is None else packing.deep)
             hidden.update(zip(hit, taps))
         else:
             for i in ids:

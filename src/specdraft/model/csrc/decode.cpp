@@ -193,13 +193,28 @@ Tensor invariant(const Dims& n, const Tensor& q, const Tensor& k, const Tensor& 
   return out.view({b, t, n.hq, n.d}).transpose(1, 2);
 }
 
+// transformer.py's split_attention: every row's root in one call, the deep rows' other slots
+// in one call over their keys alone; q [B, Hq, T, D], k, v [B, Hkv, S, D], mask [B, 1, G*T, S]
+Tensor split(const Dims& n, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, const Tensor& deep) {
+  const int64_t b = q.size(0), t = q.size(2), g = n.hq / n.hkv, r = deep.size(0), s = mask.size(-1);
+  Tensor m = mask.view({b, 1, g, t, s});
+  Tensor roots = at::scaled_dot_product_attention(q.select(2, 0).reshape({b, n.hkv, g, n.d}), k, v, m.select(3, 0));
+  Tensor out = at::zeros({b, n.hq, t, n.d}, q.options());
+  out.select(2, 0).copy_(roots.view({b, n.hq, n.d}));
+  Tensor qd = q.index_select(0, deep).slice(2, 1).reshape({r, n.hkv, g * (t - 1), n.d});
+  Tensor md = m.index_select(0, deep).slice(3, 1).reshape({r, 1, g * (t - 1), s});
+  Tensor rest = at::scaled_dot_product_attention(qd, k.index_select(0, deep), v.index_select(0, deep), md);
+  out.slice(2, 1).index_copy_(0, deep, rest.view({r, n.hq, t - 1, n.d}));
+  return out;
+}
+
 // Block.attention after the norm: x [B, T, In] -> [B, T, H], or [N, In] -> [N, H] with index
 // (transformer.py's Packing: the real tokens' flat positions, padded around attention);
 // kl, vl: this layer's cache [B, Hkv, S, D]
 Tensor attention(const Dims& n, const Linear& wqkv, const Linear& wo, const Tensor& x, const Tensor& cos,
                  const Tensor& sin, const Tensor& kl, const Tensor& vl, const std::vector<int64_t>& lengths,
                  const std::optional<Tensor>& mask, const std::vector<int64_t>& counts, const std::vector<Tensor>& picks,
-                 bool wide, const std::optional<Tensor>& index) {
+                 bool wide, const std::optional<Tensor>& index, const std::optional<Tensor>& deep) {
   const int64_t b = cos.size(0), t = cos.size(1), g = n.hq / n.hkv;
   Tensor qkv = apply(wqkv, x, wide);
   if (index) qkv = at::zeros({b * t, qkv.size(-1)}, qkv.options()).index_copy_(0, *index, qkv);  // Packing.pad
@@ -210,7 +225,9 @@ Tensor attention(const Dims& n, const Linear& wqkv, const Linear& wo, const Tens
   Tensor v = qkv.slice(2, n.hq + n.hkv).transpose(1, 2);
   auto [keys, values] = write(kl, vl, k, v, lengths);
   Tensor o;
-  if (counts.empty()) {  // grouped_attention
+  if (counts.empty() && index && deep && mask) {
+    o = split(n, q, keys, values, *mask, *deep);
+  } else if (counts.empty()) {  // grouped_attention
     Tensor qg = q.reshape({b, n.hkv, g * t, n.d});
     o = at::scaled_dot_product_attention(qg, keys, values, mask).view({b, n.hq, t, n.d});
   } else {
@@ -263,11 +280,12 @@ class Layers {
   // counts: batch-invariant plan, B*T key counts (empty: one fused attention call; -1: the next
   // of picks, a tree node's key indices);
   // ids: the layers to run; taps: layer outputs to return (i + 1 after layer i; 0 = x);
-  // index: x is [N, H], these real tokens of the [B, T] layout (transformer.py's Packing), or none.
+  // index: x is [N, H], these real tokens of the [B, T] layout (transformer.py's Packing), or none;
+  // deep: the rows whose attention is split from the roots' (Packing.deep), or none.
   std::vector<Tensor> forward(Tensor x, Tensor cos, Tensor sin, Tensor k_cache, Tensor v_cache,
                               std::vector<int64_t> lengths, std::optional<Tensor> mask, std::vector<int64_t> counts,
                               std::vector<Tensor> picks, std::vector<int64_t> ids, std::vector<int64_t> taps,
-                              bool wide, std::optional<Tensor> index) {
+                              bool wide, std::optional<Tensor> index, std::optional<Tensor> deep) {
     std::vector<Tensor> out;
     auto tapped = [&](int64_t i) {
       for (int64_t t : taps) if (t == i) return true;
@@ -275,7 +293,7 @@ class Layers {
     };
     if (tapped(0)) out.push_back(x);
     for (int64_t i : ids) {
-      x = block(layers_[i], x, cos, sin, k_cache, v_cache, i, lengths, mask, counts, picks, wide, index);
+      x = block(layers_[i], x, cos, sin, k_cache, v_cache, i, lengths, mask, counts, picks, wide, index, deep);
       if (tapped(i + 1)) out.push_back(x);
     }
     out.insert(out.begin(), x);
@@ -286,10 +304,10 @@ class Layers {
   Tensor block(const Layer& p, Tensor x, const Tensor& cos, const Tensor& sin, const Tensor& kc, const Tensor& vc,
                int64_t layer, const std::vector<int64_t>& lengths, const std::optional<Tensor>& mask,
                const std::vector<int64_t>& counts, const std::vector<Tensor>& picks, bool wide,
-               const std::optional<Tensor>& index) {
+               const std::optional<Tensor>& index, const std::optional<Tensor>& deep) {
     const Dims n{hq_, hkv_, d_};
     x = x + attention(n, p.wqkv, p.wo, rms_norm(x, p.attn_norm, p.eps), cos, sin, kc.select(0, layer),
-                      vc.select(0, layer), lengths, mask, counts, picks, wide, index);
+                      vc.select(0, layer), lengths, mask, counts, picks, wide, index, deep);
     return x + mlp(p.gate_up, p.down, rms_norm(x, p.ffn_norm, p.eps), wide);
   }
 
@@ -329,11 +347,11 @@ class HeadLayer {
     const std::vector<Tensor> no_picks;
     if (eagle_) {
       Tensor x = at::cat({rms_norm(e, norms_[0], eps_), rms_norm(hidden, norms_[1], eps_)}, -1);
-      Tensor h = hidden + attention(n_, lins_[0], lins_[1], x, cos, sin, kc, vc, lengths, mask, none, no_picks, false, std::nullopt);
+      Tensor h = hidden + attention(n_, lins_[0], lins_[1], x, cos, sin, kc, vc, lengths, mask, none, no_picks, false, std::nullopt, std::nullopt);
       return h + mlp(lins_[2], lins_[3], rms_norm(h, norms_[2], eps_), false);
     }
     Tensor x = apply(lins_[0], at::cat({rms_norm(e, norms_[0], eps_), rms_norm(hidden, norms_[1], eps_)}, -1), false);
-    x = x + attention(n_, lins_[1], lins_[2], rms_norm(x, norms_[2], eps_), cos, sin, kc, vc, lengths, mask, none, no_picks, false, std::nullopt);
+    x = x + attention(n_, lins_[1], lins_[2], rms_norm(x, norms_[2], eps_), cos, sin, kc, vc, lengths, mask, none, no_picks, false, std::nullopt, std::nullopt);
     return x + mlp(lins_[3], lins_[4], rms_norm(x, norms_[3], eps_), false);
   }
 
