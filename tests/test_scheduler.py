@@ -323,9 +323,12 @@ class _ClockedModel:
     def new_cache(self, rows: int, capacity: int):
         return self.tiny.model.new_cache(rows, capacity)
 
-    def __call__(self, tokens, positions, cache, logits: bool = True) -> None:
+    def __call__(self, tokens, positions, cache, logits: bool = True, real: list[int] | None = None) -> None:
+        """A packed forward (``real``) costs its real tokens' share of q ms plus 0.5 ms per padded column."""
         self.calls += 1
-        self.now += 1e-3 * tokens.shape[1] + (0.05 if 3 <= self.calls <= 7 else 0.0)
+        q = tokens.shape[1]
+        cost = 1e-3 * q if real is None else 1e-3 * sum(real) / len(real) + 0.5e-3 * (q - 1)
+        self.now += cost + (0.05 if 3 <= self.calls <= 7 else 0.0)
 
 
 def test_a_slow_spell_while_measuring_slows_no_token_count_alone(tiny):
@@ -335,6 +338,20 @@ def test_a_slow_spell_while_measuring_slows_no_token_count_alone(tiny):
     model = _ClockedModel(tiny)
     got = measure_latency(model, 2, [1, 2, 3], prefix=0, clock=lambda: model.now)
     assert got == pytest.approx({1: 1e-3, 2: 2e-3, 3: 3e-3})
+
+
+def test_the_padding_of_a_packed_forward_is_measured_with_the_curve(tiny):
+    """With ``lone`` the curve comes with a packed forward's (row 0 drafting, the other rows
+    one token each), measured in the same rounds; the cost model prices a packed forward as the
+    curve at its tokens plus its padding slots' share of what the lone forward's padding cost."""
+    model = _ClockedModel(tiny)
+    full, lone = measure_latency(model, 2, [1, 2, 3], prefix=0, clock=lambda: model.now, lone=True)
+    assert full == pytest.approx({1: 1e-3, 2: 2e-3, 3: 3e-3})
+    assert lone == pytest.approx({1: 1e-3, 2: 1.5e-3 + 0.5e-3, 3: 2e-3 + 1e-3})
+    cost = CostModel(table={2: full}, lone={2: lone})
+    assert cost.padding(2, 2) == pytest.approx(3e-3 - 2e-3)  # the lone forward less the curve at 2 tokens per row
+    assert cost.verification(2, 1.0, 2, 3) == pytest.approx(2e-3 + 1e-3 * 2 * 1 / 2)  # one row of two drafting 2
+    assert cost.verification(2, 2.0, 2, 3) == pytest.approx(3e-3)  # both: no padding
 
 
 def test_observed_forwards_correct_the_measured_cost_curve():
