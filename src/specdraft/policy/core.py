@@ -251,8 +251,9 @@ class Policy:
 
     def _probe_length(self, batch: int, setup: float = 0.0, share: float = 1.0) -> int:
         """The longest probe (up to ``probe_k`` tokens) whose forward (``share`` of the rows
-        drafting) and drafting cost at most ``probe_cost`` plain steps (0: none does). A proposer's setup must fit in what is left
-        of that allowance, or in ``PROBE_SETUP_SHARE`` of the plain steps since the last step
+        drafting) and drafting cost at most ``probe_cost`` plain steps (0: none does). A
+        proposer's setup must fit in what is left of that allowance, or in
+        ``PROBE_SETUP_SHARE`` of the plain steps since the last step
         that drafted or probed (``idle_steps``): probing then costs at most that share of the time
         however it goes, and an idle draft model or head still catches up, after long enough,
         to find out whether drafting pays (measured against the gap between probes instead, a
@@ -275,7 +276,6 @@ class Policy:
         live = [row for row, c in enumerate(caps) if c > 0 or (remaining is not None and remaining[row] > 0)]
         if not any(caps[row] > 0 for row in live):
             return 0
-        q_max = 1 + self.config.k
         alphas = [(self.alpha(row), caps[row]) for row in live]
         left = None if remaining is None else [remaining[row] for row in live]
         best, best_rate = 0, 0.0
