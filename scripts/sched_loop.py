@@ -46,7 +46,9 @@ class Loop:
     steps: collections.Counter = field(default_factory=collections.Counter)  # batch bucket -> steps
     spec: collections.Counter = field(default_factory=collections.Counter)  # ... that drafted
     phases: dict = field(default_factory=lambda: {"steady": [0, 0, 0, 0], "tail": [0, 0, 0, 0]})
+    verify: dict = field(default_factory=lambda: collections.defaultdict(list))  # (bucket, drafted) -> verify seconds
     _drafted: int = 0
+    _verified: float = 0.0
 
     def __post_init__(self) -> None:
         self.sched.on_step = self._on_step
@@ -78,8 +80,10 @@ class Loop:
             phase[i] += n
         bucket = rows // 8 * 8
         self.steps[bucket] += 1
-        self.spec[bucket] += self.sched.stats.proposed > self._drafted
-        self._drafted = self.sched.stats.proposed
+        drafted = self.sched.stats.proposed > self._drafted
+        self.spec[bucket] += drafted
+        self.verify[(bucket, drafted)].append(self.sched.stats.verify_s - self._verified)
+        self._drafted, self._verified = self.sched.stats.proposed, self.sched.stats.verify_s
 
 
 def make_loop(loaded: LoadedModel, method: str, args: argparse.Namespace, prompts: list[list[int]]) -> Loop:
@@ -113,6 +117,12 @@ def report(loop: Loop, base: Loop) -> None:
             curve = ", ".join(f"q={q}: {1000 * policy.cost.latency(b, q, q_max):.0f}" for q in range(1, q_max + 1))
             print(f"  the policy's cost curve at batch {b} (ms): {curve}")
         print(f"  realism factor {policy.realism.factor:.2f}")
+        ragged = {b: {w: f"{o[0]:.2f} ({o[1]:.0f})" for w, o in sorted(ws.items())} for b, ws in sorted(policy.cost.ragged.items())}
+        print(f"  ragged forwards' observed / priced, batch -> width -> ratio (count): {ragged}")
+    for b in sorted({b for b, _ in loop.verify}):
+        parts = [f"{'drafting' if d else 'plain'} {1000 * sum(v) / len(v):.0f} ms x {len(v)}"
+                 for d in (False, True) if (v := loop.verify.get((b, d)))]
+        print(f"  verify per step at {b}-{b + 7} rows: " + ", ".join(parts))
 
 
 def main() -> None:

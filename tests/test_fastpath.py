@@ -109,23 +109,24 @@ def test_tree_masks_agree(model: Transformer) -> None:
     _same(_both(model, 2, ragged))
 
 
-@pytest.mark.parametrize("real", [[4, 2, 1, 0], [4, 2, 3, 1]], ids=["split", "padded"])
+@pytest.mark.parametrize("real", [[5, 1, 1, 0], [5, 2, 3, 1]], ids=["split", "padded"])
 def test_a_packed_forward_computes_the_real_tokens_alone(request: pytest.FixtureRequest, model: Transformer,
                                                          real: list[int]) -> None:
     """A forward told which tokens are real (``real``: a verification step's shorter drafts, an
     idle row) gives its real tokens what the padded forward gives them: the same bits in a
     batch-invariant mode, within rounding in the others (their products' rounding may follow
-    the row count, and where at most half the rows drafted, attention is split); the padding's
+    the row count, and where one row in four drafted, attention is split); the padding's
     outputs and cached keys and values are zero; the C++ and the Python loops agree bit for
     bit. Row 0 is a tree, rows 1-3 chains cut short (a row with 0 tokens: idle)."""
     starts = [40, 33, 37, 35]
-    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
-    chain = torch.ones(4, 4, dtype=torch.bool).tril()
-    mask = torch.stack([tree, chain, chain, chain])  # [4, 4, 4]
-    tokens = torch.tensor([[5, 6, 7, 8], [10, 11, 12, 13], [3, 4, 5, 6], [9, 8, 7, 6]])
-    positions = torch.tensor(starts)[:, None] + torch.tensor([[0, 1, 1, 2]] + [[0, 1, 2, 3]] * 3)
-    packing = Packing.of(real, 4, torch.device("cpu"))
-    assert packing is not None and (packing.deep is not None) == (real == [4, 2, 1, 0])
+    tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 0, 1, 1, 0], [1, 0, 1, 1, 1]],
+                        dtype=torch.bool)
+    chain = torch.ones(5, 5, dtype=torch.bool).tril()
+    mask = torch.stack([tree, chain, chain, chain])  # [4, 5, 5]
+    tokens = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14], [3, 4, 5, 6, 7], [9, 8, 7, 6, 5]])
+    positions = torch.tensor(starts)[:, None] + torch.tensor([[0, 1, 1, 2, 3]] + [[0, 1, 2, 3, 4]] * 3)
+    packing = Packing.of(real, 5, torch.device("cpu"))
+    assert packing is not None and (packing.deep is not None) == (real == [5, 1, 1, 0])
 
     def run(packed: bool):  # type: ignore[no-untyped-def]
         def go(cache):  # type: ignore[no-untyped-def]
@@ -142,7 +143,7 @@ def test_a_packed_forward_computes_the_real_tokens_alone(request: pytest.Fixture
         if i >= 4:  # the cache [L, B, Hkv, 60, D]: each row's real positions
             a = torch.cat([a[:, r, :, n : n + k] for r, (n, k) in enumerate(zip(starts, real))], dim=2)
             b = torch.cat([b[:, r, :, n : n + k] for r, (n, k) in enumerate(zip(starts, real))], dim=2)
-            zero = all(not packed[0][i][:, r, :, n + k : n + 4].any() for r, (n, k) in enumerate(zip(starts, real)))
+            zero = all(not packed[0][i][:, r, :, n + k : n + 5].any() for r, (n, k) in enumerate(zip(starts, real)))
         else:  # [B, T, ...]: the real tokens, then the padding
             zero = all(not a[r, k:].any() for r, k in enumerate(real))
             a = torch.cat([a[r, :k] for r, k in enumerate(real)])

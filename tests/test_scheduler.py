@@ -341,15 +341,16 @@ def test_a_slow_spell_while_measuring_slows_no_token_count_alone(tiny):
 
 
 def test_the_padding_of_a_packed_forward_is_measured_with_the_curve(tiny):
-    """With ``lone`` the curve comes with a packed forward's (row 0 drafting, the other rows
-    one token each), measured in the same rounds; the cost model prices a packed forward as the
-    curve at its tokens plus its padding slots' share of what the lone forward's padding cost."""
+    """With ``lone`` the curve comes with a packed forward's (``lone_rows`` rows drafting, the
+    other rows one token each), measured in the same rounds; the cost model prices a packed
+    forward as the curve at its tokens plus its padding slots at what one slot of the lone
+    forward's padding cost."""
     model = _ClockedModel(tiny)
     full, lone = measure_latency(model, 2, [1, 2, 3], prefix=0, clock=lambda: model.now, lone=True)
     assert full == pytest.approx({1: 1e-3, 2: 2e-3, 3: 3e-3})
     assert lone == pytest.approx({1: 1e-3, 2: 1.5e-3 + 0.5e-3, 3: 2e-3 + 1e-3})
     cost = CostModel(table={2: full}, lone={2: lone})
-    assert cost.padding(2, 2) == pytest.approx(3e-3 - 2e-3)  # the lone forward less the curve at 2 tokens per row
+    assert cost.slot(2, 2) == pytest.approx((3e-3 - 2e-3) / 2)  # the lone forward less the curve, over 2 slots
     assert cost.verification(2, 1.0, 2, 3) == pytest.approx(2e-3 + 1e-3 * 2 * 1 / 2)  # one row of two drafting 2
     assert cost.verification(2, 2.0, 2, 3) == pytest.approx(3e-3)  # both: no padding
 
@@ -377,6 +378,34 @@ def test_observed_forwards_correct_the_measured_cost_curve():
     assert curve == sorted(curve)
     cost.observe(3, 1, 9.0)  # no measured curve for that batch: ignored
     assert 3 not in cost.observed
+
+
+def test_ragged_forwards_are_corrected_by_their_width_apart_from_the_curve():
+    """A packed forward where only some rows drafted is priced by its width: what such
+    forwards took against the price corrects that width's price alone (split attention or
+    not, apart). Counted at its rounded
+    mean (1 token per row) with the plain steps, an underpriced ragged forward made the plain
+    step look dearer, and so drafting cheaper."""
+    full, lone = {1: 1.0, 2: 1.2, 5: 2.0}, {1: 1.0, 2: 1.5, 5: 2.5}
+    cost = CostModel(table={4: dict(full)}, lone={4: dict(lone)}, learns=True)
+    priced = cost.verification(4, 1.0, 4, 5)  # one row in four drafting 4
+    assert priced > cost.latency(4, 2.0, 5)  # the padding is priced
+    for _ in range(3):
+        cost.observe(4, 2.0, 2.0 * priced, width=4)  # it really took twice its price
+        cost.observe(4, 1.0, 1.0, width=0)  # plain steps as measured
+    assert cost.latency(4, 1, 5) == pytest.approx(1.0)  # the plain step keeps its price
+    assert cost.verification(4, 1.0, 4, 5) == pytest.approx(2.0 * priced)
+    assert cost.verification(4, 4.0, 4, 5) == pytest.approx(cost.latency(4, 5, 5))  # even: no ragged ratio
+    unscaled = cost.latency(4, 2.0, 5) + cost.padded(4, 1.0, 2)
+    assert cost.verification(4, 1.0, 2, 5) == pytest.approx(unscaled)  # width 2: not observed
+    for _ in range(3):  # one row of four drafting 4: its attention is split, counted apart
+        cost.observe(4, 2.0, 0.5 * priced, width=4, deep=1)
+    assert cost.verification(4, 1.0, 4, 5, deep=1) == pytest.approx(0.5 * priced)
+    assert cost.verification(4, 1.0, 4, 5, deep=4) == pytest.approx(2.0 * priced)  # no split
+    for _ in range(5):
+        cost.observe(4, 1.0, 1.5, width=0)  # plain steps run slower than the curve: ragged prices follow
+    assert cost.latency(4, 1, 5) > 1.2
+    assert cost.verification(4, 1.0, 4, 5) > 2.1 * priced
 
 
 def test_forwards_of_fewer_rows_are_compared_with_the_curve_at_their_own_size():

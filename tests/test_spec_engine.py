@@ -26,6 +26,7 @@ from specdraft.metrics import SpecStats
 from specdraft.model.loader import LoadedModel, default_model_path, load
 from specdraft.policy import (PROBE_GAP_MAX, PROBE_SETUP_SHARE, CostModel, Plan, Policy, PolicyConfig, expected_tokens,
                               progress)
+from specdraft.policy.cost import lone_rows
 from specdraft.policy.evidence import REALISM_MAX, Realism
 from specdraft.proposers import make_proposer
 from specdraft.proposers.base import Proposer
@@ -759,13 +760,38 @@ def test_a_proposers_setup_time_is_paid_only_where_it_is_repaid() -> None:
     assert [low.budgets([8], 1, [64], [1.0]).budgets[0] for _ in range(40)] == [0] * 40
     assert PROBE_SETUP_SHARE * 40 < 1.0 <= PROBE_SETUP_SHARE * 52
     assert config.probe_k in [low.budgets([8], 1, [64], [1.0]).budgets[0] for _ in range(12)]
-    # rows catch up together: their setups add up (two rows of 0.7 s: 1.4 s, paid after 70 steps)
-    two = Policy(config, cost_table(2, per_token=0.1))
-    for row in (0, 1):
-        two.begin(row)
-        _evidence(two, row, 50, accepted=0)
-    got = [two.budgets([8, 8], 2, [64, 64], [0.7, 0.7]).budgets for _ in range(75)]
-    assert got[:69] == [[0, 0]] * 69 and [config.probe_k] * 2 in got[69:]
+    # a probe asks an eighth of the rows (at least one): of two rows of 0.7 s, one, paid after
+    # 35 steps; the rows a probe asks add up their setups (16 rows: 2 of 0.7 s, after 70 steps)
+    for rows, wait in ((2, 35), (16, 70)):
+        policy = Policy(config, cost_table(rows, per_token=0.1))
+        for row in range(rows):
+            policy.begin(row)
+            _evidence(policy, row, 50, accepted=0)
+        got = [policy.budgets([8] * rows, rows, [64] * rows, [0.7] * rows).budgets for _ in range(wait + 5)]
+        first = next(i for i, b in enumerate(got) if any(b))
+        assert wait - 1 <= first <= wait and max(got[first]) == config.probe_k
+        assert sum(n > 0 for n in got[first]) == max(1, rows // 8)
+
+
+def test_a_probe_asks_the_rows_with_the_least_setup_then_each_in_turn() -> None:
+    """At 16 rows a probe asks two: those with the least catch-up first, and among equals the
+    next ones in turn, so that every row is probed over time."""
+    config = PolicyConfig(kind="adaptive", k=8, look_cost=0.0, probe_every=2, stop_after=10**6)
+    policy = Policy(config, cost_table(16, per_token=0.01))
+    for row in range(16):
+        policy.begin(row)
+        _evidence(policy, row, 50, accepted=0)
+    setup = [0.0] * 16
+    setup[5] = setup[9] = 0.5  # two rows with a long backlog
+    asked = []
+    for _ in range(40):
+        plan = policy.budgets([8] * 16, 16, None, setup)
+        if any(plan.budgets):
+            asked.append([row for row, n in enumerate(plan.budgets) if n > 0])
+            for row in asked[-1]:
+                policy.observe(row, Draft.chain(range(config.probe_k)), Acceptance((), (1,)))
+    assert asked and all(len(rows) == 2 and 5 not in rows and 9 not in rows for rows in asked)
+    assert len({row for rows in asked for row in rows}) >= 6  # in turn, not the same two rows
 
 
 def test_fixed_policy_returns_k_capped() -> None:
@@ -1065,8 +1091,8 @@ def test_policy_prices_each_rows_draft_in_the_packed_forward() -> None:
         for _ in range(10):  # alpha ~0.8 for every row
             policy.observe(row, Draft.chain(range(5)), Acceptance(tuple(range(4)), tuple(range(5))))
     assert 0.75 < policy.alpha(0) < 0.85
-    assert policy.verifying(batch, 8, batch, 8) == pytest.approx(1.2)  # = cost.latency(batch, 2, ...)
-    assert policy.verifying(batch, 8 * batch, batch, 8) == pytest.approx(2.6)
+    assert policy.verifying(batch, [8] + [0] * (batch - 1)) == pytest.approx(1.2)  # = cost.latency(batch, 2, ...)
+    assert policy.verifying(batch, [8] * batch) == pytest.approx(2.6)
     lone = [Draft.chain(range(8))] + [Draft.empty()] * (batch - 1)
     plan = Plan([8] * batch, batch)
     assert policy.batch_depth(lone, batch) >= 3
@@ -1084,13 +1110,14 @@ def test_policy_prices_each_rows_draft_in_the_packed_forward() -> None:
     assert failing.batch_depth(lone, batch) == 0 and all(len(d) == 0 for d in failing.trim(lone, plan))
     assert policy.trim(lone, Plan([8] * batch, batch, "probe")) == lone
     assert Policy(PolicyConfig(kind="fixed", k=8)).trim(lone, plan) == lone
-    # attention keeps the padded width: measured as one row drafting, it is priced on top
+    # attention keeps the padded width: measured with lone_rows rows drafting, it is priced on top
     alone = policy.batch_depth(lone, batch)
-    cost.lone[batch] = {q: 1.0 + 0.2 * (q - 1) / batch + 0.02 * (q - 1) for q in range(1, 10)}  # +0.02 per column
-    assert cost.padding(batch, 8) == pytest.approx(0.16)
-    assert policy.verifying(batch, 8, batch, 8) == pytest.approx(1.36)  # the lone forward as measured
-    assert policy.verifying(batch, 8 * batch, batch, 8) == pytest.approx(2.6)  # no padding: every row drafts 8
-    assert policy.verifying(batch, 4 * batch, batch, 8) == pytest.approx(1.8 + 0.16 * 32 / 56)  # 32 of 56 slots
+    r = lone_rows(batch)  # 3 of 8: enough that the measured forward's attention is not split
+    cost.lone[batch] = {q: 1.0 + 0.2 * r * (q - 1) / batch + 0.004 * (batch - r) * (q - 1) for q in range(1, 10)}
+    assert cost.slot(batch, 8) == pytest.approx(0.004)  # per padding slot
+    assert policy.verifying(batch, [8] + [0] * (batch - 1)) == pytest.approx(1.2 + 0.004 * 56)  # 56 slots
+    assert policy.verifying(batch, [8] * batch) == pytest.approx(2.6)  # no padding: every row drafts 8
+    assert policy.verifying(batch, [8] * 4 + [0] * 4) == pytest.approx(1.8 + 0.004 * 32)  # 32 slots
     assert 0 < policy.batch_depth(lone, batch) < alone  # the padding makes the lone row's deep nodes dear
 
 
@@ -1154,32 +1181,36 @@ def test_drafts_that_yield_less_than_expected_are_expected_less() -> None:
 
 
 def test_a_probe_pays_only_if_its_accepted_tokens_repay_its_wider_forward() -> None:
-    """At batch 16 a 1-token probe costs 1.5 plain steps: one row accepting its token does not
-    repay it (the next probe waits twice as long); 8 rows accepting do (the wait resets)."""
+    """At batch 16 a probe asks two rows, 4 tokens each: its forward costs 1.25 plain steps (16
+    rows of 1.5 tokens at 0.5 per token), so it must gain 16 x 0.25 = 4 tokens. One accepted
+    token does not repay it (the next probe waits twice as long); 2 in each row do (the wait
+    resets)."""
     batch = 16
     policy = Policy(PolicyConfig(kind="adaptive", k=8, probe_every=4, look_cost=0.0), cost_table(batch, per_token=0.5))
     for row in range(batch):
         policy.begin(row)
         _evidence(policy, row, 30, accepted=1, depth=4)  # alpha 0.5: speculation is off, only probes draft
 
-    def probe(accepting_rows: int) -> int:
-        """Step until the next probe, verify it with that many rows accepting; the gap after."""
+    def probe(accepted: int) -> int:
+        """Step until the next probe, verify it with ``accepted`` tokens in each row it asked (up
+        to that row's draft); the gap after."""
         for _ in range(PROBE_GAP_MAX + 1):
-            plan = policy.budgets([1] * batch, batch)
-            if plan.budgets[0] > 0:
+            plan = policy.budgets([4] * batch, batch)
+            if any(plan.budgets):
                 break
             policy.trim([Draft.empty()] * batch, plan)
-        assert plan.mode == "probe"
-        kept = policy.trim([Draft.chain([7])] * batch, plan)
-        for row in range(batch):
-            ok = row < accepting_rows
-            policy.observe(row, kept[row], Acceptance((0,) if ok else (), (7, 1) if ok else (1,)))
+        asked = [row for row, n in enumerate(plan.budgets) if n > 0]
+        assert plan.mode == "probe" and len(asked) == 2 and all(plan.budgets[row] == 4 for row in asked)
+        kept = policy.trim([Draft.chain(range(7, 7 + n)) if n else Draft.empty() for n in plan.budgets], plan)
+        for i, row in enumerate(asked):
+            a = accepted if i == 0 or accepted > 1 else 0
+            policy.observe(row, kept[row], Acceptance(tuple(range(a)), tuple(range(7, 7 + a)) + (1,)))
         policy.budgets([0] * batch, batch)  # settles the probe
         return policy.probe_gap
 
     assert policy.probe_gap == 4
     assert probe(1) == 8 and probe(1) == 16  # accepted, but not repaid
-    assert probe(8) == 4  # 8 tokens for half a step's more cost: repaid
+    assert probe(2) == 4  # 4 tokens for a quarter of a step's more cost: repaid
 
 
 def test_static_batch_policy_follows_its_slowest_row() -> None:

@@ -220,7 +220,8 @@ class Engine:
         t2 = time.perf_counter()
         if self.speculative:  # priced by the tokens it ran per row (the forward is packed)
             sizes = [len(d) for d in drafts]
-            self.policy.observe_verify_time(len(seqs), 1 + sum(sizes) / len(seqs), t2 - t1, max(sizes))
+            self.policy.observe_verify_time(len(seqs), 1 + sum(sizes) / len(seqs), t2 - t1, max(sizes),
+                                            sum(n > 0 for n in sizes))
         results: list[Acceptance | None] = []
         events: list[StreamEvent] = []
         for row, (s, draft) in enumerate(zip(seqs, drafts)):

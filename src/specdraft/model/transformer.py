@@ -22,7 +22,16 @@ from specdraft.model.linear import Linear
 from specdraft.model.rope import apply_rope, rope_table
 
 
-SPLIT_SHARE = 0.5  # packed forwards where at most this share of rows drafted split their attention
+# Packed forwards split their attention (``split_attention``) where at most SPLIT_SHARE of the
+# rows drafted and the forward is at least SPLIT_FROM_WIDTH tokens wide. Measured on the default
+# model (bfloat16, 64 rows, ~300 cached tokens, an AVX2-only EPYC), forward ms, split / padded:
+# 1 row drafting 1: 391 / 362, drafting 4: 421 / 480, drafting 8: 459 / 581; 16 rows drafting
+# 2: 524 / 486, drafting 4: 596 / 616, drafting 8: 814 / 863; 32 rows drafting 1: 523 / 429,
+# drafting 4: 797 / 740 (plain 370). The second call re-reads the deep rows' keys, which costs
+# more than a padded attention's few extra queries unless the drafts are wide and the rows few;
+# at half the rows (the rule before) the split cost suffix's drafting steps at 64 rows ~35%.
+SPLIT_SHARE = 0.25
+SPLIT_FROM_WIDTH = 5  # 1 + 4 draft tokens
 WIDE_FROM_ROWS = 16  # 4-bit weights: products with this many rows use the dense path (quant.py)
 
 
@@ -245,6 +254,12 @@ def key_plan(lengths: list[int], t: int, full_mask: Tensor | None) -> KeyPlan:
     return plan
 
 
+def splits(deep: int, rows: int, width: int) -> bool:
+    """Whether a packed forward of ``rows`` rows, ``width`` tokens wide, ``deep`` of them
+    carrying more than a root, splits its attention (``SPLIT_SHARE``, ``SPLIT_FROM_WIDTH``)."""
+    return width >= SPLIT_FROM_WIDTH and 0 < deep <= SPLIT_SHARE * rows
+
+
 @dataclass(frozen=True, slots=True)
 class Packing:
     """Which tokens of a [B, T] forward are real: row b's first ``real[b]``, the rest padding
@@ -261,8 +276,9 @@ class Packing:
     @classmethod
     def of(cls, real: list[int], t: int, device: torch.device) -> "Packing | None":
         """None where every token is real (nothing to skip) or none is. Where at most
-        ``SPLIT_SHARE`` of the rows carry more than one token, attention (not batch-invariant)
-        is split (``split_attention``)."""
+        ``SPLIT_SHARE`` of the rows carry more than one token and the forward is at least
+        ``SPLIT_FROM_WIDTH`` wide, attention (not batch-invariant) is split
+        (``split_attention``)."""
         if any(not 0 <= r <= t for r in real):
             raise ValueError(f"real must give 0..{t} tokens per row, got {real}")
         n = sum(real)
@@ -270,7 +286,7 @@ class Packing:
             return None
         index = torch.tensor([b * t + i for b, r in enumerate(real) for i in range(r)], device=device)  # [N]
         deep = [b for b, r in enumerate(real) if r > 1]
-        split = t > 1 and 0 < len(deep) <= SPLIT_SHARE * len(real)
+        split = splits(len(deep), len(real), t)
         return cls(index, len(real), t, torch.tensor(deep, device=device) if split else None)
 
     def pick(self, x: Tensor) -> Tensor:

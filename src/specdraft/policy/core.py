@@ -29,7 +29,9 @@ plain steps; a costly proposer probes with fewer tokens, or not at all), so that
 text becomes predictable again is noticed. A probe that is not repaid (its rows accepted fewer
 tokens than its wider forward cost more than a plain one: at a large batch one accepted token is
 not enough) doubles the wait before the next (up to ``PROBE_GAP_MAX`` steps); one that pays
-resets it: on traffic where speculation does not pay, probing costs little.
+resets it: on traffic where speculation does not pay, probing costs little. A probe asks only
+an eighth of the live rows (``PROBE_ROWS``, at least one; the least setup first, then in turn):
+the evidence is pooled, and a proposer that must catch up on each row pays for those alone.
 
 Each request also keeps its own brake, whatever the pooled and label evidence say: once its
 last ``stop_after`` drafts all had no token accepted, the row stops drafting for
@@ -77,6 +79,7 @@ drafts yielded against what they were expected to).
 from __future__ import annotations
 
 import copy
+import math
 from bisect import bisect_right
 from collections.abc import Sequence as Seq
 
@@ -93,6 +96,7 @@ from specdraft.proposers.base import move_key
 
 HORIZON_TOKENS = 64  # tokens a row is assumed to have left when the caller does not say
 PROBE_SETUP_SHARE = 0.02  # probes' setups may cost up to this share of the time between probes
+PROBE_ROWS = 0.125  # a probe before the proposer has drafted asks this share of the live rows (at least one)
 
 
 def _share(sizes: Seq[int]) -> float:
@@ -121,11 +125,12 @@ class Policy:
         self.since_full = 0  # drafting steps since the last one with the whole budget k (scored drafts)
         self.realism = Realism()  # unscored drafts: the extra tokens expected against those accepted
         self.expected_extra: dict[int, float] = {}  # row -> what its kept draft was expected to add (this step)
+        self.probe_turn = 0  # rotates the rows a probe asks (``_probe_rows``)
 
     # what the policy has learned (per row and across requests), without the cost model
     _MEMORY = ("evidence", "by_label", "pooled", "holds", "idle_steps", "probe", "probe_gap",
                "propose_costs", "propose_warm", "calibration", "outlooks", "pooled_outlook",
-               "since_full", "realism", "expected_extra")
+               "since_full", "realism", "expected_extra", "probe_turn")
 
     def snapshot(self) -> dict[str, object]:
         """A copy of what the policy has learned, for ``restore``: a benchmark's repeats each
@@ -199,9 +204,13 @@ class Policy:
             best = self.best_length(caps, batch, self._remaining(remaining))
         if best > 0 and paying > 0 and not self._repays(best, paying, caps, batch, remaining):
             best = 0
+        if best == 0:  # a probe, if one is due, asks a few rows: their catch-ups are its price
+            caps = self._probe_rows(caps, setup)
+            paying = sum(t for t, c in zip(setup or (), caps) if c > 0)
         best, probe = self._gate(best, batch, paying, _share(caps))
         if probe:  # its outcome is settled at the next step (trim() adds what it must gain)
             self.probe = Probe()
+            self.probe_turn += sum(c > 0 for c in caps)
         return Plan([min(best, c) for c in caps], batch, "probe" if probe else "draft", remaining)
 
     def _repays(self, k: int, setup: float, caps: Seq[int], batch: int, remaining: Seq[int] | None) -> bool:
@@ -213,9 +222,24 @@ class Policy:
         left = [remaining[row] if remaining is not None else HORIZON_TOKENS for row in live]
         q_max = 1 + self.config.k
         steps = max(r / self.realism.scale(expected_tokens(self.alpha(row), min(k, caps[row]))) for row, r in zip(live, left))
-        nodes = [min(k, caps[row]) for row in live]
-        spec = setup + steps * (self.verifying(batch, sum(nodes), len(caps), max(nodes)) + self.proposing(batch, k))
+        nodes = [min(k, c) for c in caps]
+        spec = setup + steps * (self.verifying(batch, nodes) + self.proposing(batch, k))
         return spec * self.bar < max(left) * self.cost.latency(batch, 1, q_max)
+
+    def _probe_rows(self, caps: Seq[int], setup: Seq[float] | None) -> list[int]:
+        """The caps of a probe: ``PROBE_ROWS`` of the live rows (at least one) keep theirs, those
+        with the least setup first, then in turn (``probe_turn``). The evidence a probe gathers
+        is pooled across rows, so a few rows tell whether the method pays again; a proposer
+        that must first catch up on each row (an MTP module or EAGLE head fed the backlog of a
+        long plain spell) paid every live row's catch-up when a probe asked them all (at 16
+        rows, MTP lost 3.5% to its probes)."""
+        live = [row for row, c in enumerate(caps) if c > 0]
+        n = max(1, math.ceil(PROBE_ROWS * len(live)))
+        if n >= len(live):
+            return list(caps)
+        price = setup or [0.0] * len(caps)
+        chosen = set(sorted(live, key=lambda row: (price[row], (row - self.probe_turn) % len(caps)))[:n])
+        return [c if row in chosen else 0 for row, c in enumerate(caps)]
 
     def _settle_probe(self) -> None:
         """After a probe step: the next probe comes sooner if it paid, later if not."""
@@ -263,7 +287,7 @@ class Policy:
         plain = self.cost.latency(batch, 1, q_max)
         allowed = self.config.probe_cost * plain
         for n in range(self.config.probe_k, 0, -1):
-            probe = self.cost.verification(batch, n * share, n, q_max) + self.proposing(batch, n)
+            probe = self.cost.verification(batch, n * share, n, q_max, round(share * batch)) + self.proposing(batch, n)
             if probe <= allowed and setup <= max(allowed - probe, PROBE_SETUP_SHARE * self.idle_steps * plain):
                 return n
         return 0
@@ -282,7 +306,7 @@ class Policy:
         for k in range(0, self.config.k + 1):
             gain = progress([self.realism.scale(expected_tokens(a, min(k, c))) for a, c in alphas], left)
             nodes = [min(k, c) for c in caps]
-            cost = self.verifying(batch, sum(nodes), len(caps), max(nodes)) + self.proposing(batch, k)
+            cost = self.verifying(batch, nodes) + self.proposing(batch, k)
             rate = gain / cost * (self.bar if k == 0 else 1.0)
             if rate > best_rate:
                 best, best_rate = k, rate
@@ -303,7 +327,7 @@ class Policy:
         for n in range(1, self.config.k + 1):
             gain = progress([1.0 + o.at(min(n, caps[row])) for o, row in zip(outlooks, live)], left)
             nodes = [min(n, c) for c in caps]
-            rate = gain / (self.verifying(batch, sum(nodes), len(caps), max(nodes)) + self.proposing(batch, n))
+            rate = gain / (self.verifying(batch, nodes) + self.proposing(batch, n))
             if rate > best_rate:
                 best, best_rate = n, rate
         return best
@@ -380,7 +404,7 @@ class Policy:
         q_max = 1 + self.config.k
         rows = sum(live) if live is not None else len(drafts)
         sizes = [len(d) for d in drafts]
-        ratio = self.verifying(batch, sum(sizes), len(drafts), max(sizes, default=0)) / self.cost.latency(batch, 1, q_max)
+        ratio = self.verifying(batch, sizes) / self.cost.latency(batch, 1, q_max)
         return rows * (ratio - 1.0)
 
     def _expect(self, drafts: Seq[Draft], asked: Seq[int]) -> list[list[float]]:
@@ -420,7 +444,7 @@ class Policy:
         for n in range(1, widest + 1):
             gain = progress([1.0 + g[min(n, len(g) - 1)] for g in rows], left)
             kept = [min(n, len(d)) for d in drafts]
-            rate = gain / self.verifying(batch, sum(kept), len(drafts), max(kept))
+            rate = gain / self.verifying(batch, kept)
             if rate > best_rate:
                 best, best_rate = n, rate
         return best
@@ -463,7 +487,7 @@ class Policy:
         for k in range(1, deepest + 1):
             gain = progress([self.realism.scale(expected_tokens(a, min(k, depth))) for a, depth in rows], left)
             kept = [bisect_right(ds, k) for ds in depths]  # per row: the nodes it keeps
-            rate = gain / self.verifying(batch, sum(kept), len(drafts), max(kept))
+            rate = gain / self.verifying(batch, kept)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
@@ -497,20 +521,23 @@ class Policy:
             return
         self.propose_costs.setdefault(batch, ProposeCost()).observe(budget, seconds)
 
-    def observe_verify_time(self, batch: int, q: float, seconds: float, width: int | None = None) -> None:
+    def observe_verify_time(self, batch: int, q: float, seconds: float, width: int | None = None,
+                            deep: int | None = None) -> None:
         """A verification forward of ``batch`` rows over ``q`` tokens each (packed: the mean;
-        ``width``: the widest row's draft) took ``seconds``: it corrects the cost model's
-        measured curve (``CostModel.observe``)."""
+        ``width``: the widest row's draft; ``deep``: the rows that drafted) took ``seconds``: it
+        corrects the cost model's measured curve (``CostModel.observe``)."""
         if self.config.kind == "adaptive" and self.cost is not None:
-            self.cost.observe(batch, q, seconds, width)
+            self.cost.observe(batch, q, seconds, width, deep)
 
-    def verifying(self, batch: int, nodes: float, rows: int, width: int) -> float:
-        """The expected seconds of a verification forward of ``rows`` rows carrying ``nodes``
-        draft nodes in all, the widest row ``width``, priced at ``batch`` rows. The forward is
-        packed (``Engine._verify``): a row's projections and MLP are paid for its own nodes, not
-        the widest row's; attention keeps the padded width (``CostModel.verification``)."""
+    def verifying(self, batch: int, sizes: Seq[int]) -> float:
+        """The expected seconds of a verification forward whose rows carry ``sizes`` draft
+        nodes each, priced at ``batch`` rows. The forward is packed (``Engine._verify``): a row's
+        projections and MLP are paid for its own nodes, not the widest row's; attention keeps
+        the padded width (``CostModel.verification``)."""
         assert self.cost is not None
-        return self.cost.verification(batch, nodes / max(rows, 1), width, 1 + self.config.k)
+        deep = sum(n > 0 for n in sizes)
+        return self.cost.verification(batch, sum(sizes) / max(len(sizes), 1), max(sizes, default=0),
+                                      1 + self.config.k, deep)
 
     def proposing(self, batch: int, budget: int) -> float:
         """The proposer's expected seconds for a budget at this batch size: measured at this

@@ -13,7 +13,7 @@ import torch
 
 from specdraft.errors import SpecdraftError
 from specdraft.model.linear import PACKED_FROM_ROWS
-from specdraft.model.transformer import Transformer
+from specdraft.model.transformer import SPLIT_SHARE, Transformer, splits
 
 
 OBSERVED_DECAY = 0.9  # weight an observed forward's running mean keeps at each new observation
@@ -41,19 +41,24 @@ class CostModel:
     Verification is packed (``Transformer.forward``'s ``real``): the per-token work follows the
     tokens the rows really carry, but attention keeps the padded layout, as wide as the widest
     row. ``verification`` prices such a forward as the full curve at its mean tokens per row
-    plus the *padding* cost of its width: what a forward with one row drafting that width costs
-    beyond the full curve at its tokens (``lone``, measured with the table; none in a table
-    given without it). Measured on the default model at batch 64 and 300 cached tokens: plain
-    335 ms; one row drafting 4 tokens 429 ms packed (376 with the split attention), ~1,010 ms
-    padded; 8 rows drafting 4, 441-450 ms packed, ~1,070 padded."""
+    plus its *padding* slots (rows x width - nodes) at the cost per slot of that width: what a
+    forward with ``lone_rows`` rows drafting that width beside plain rows costs beyond the full
+    curve at its tokens, per padding slot (``lone``, measured with the table; none in a table
+    given without it). Enough rows draft in that measurement that its attention is not split
+    (``transformer.splits``): a split forward's price is then too high, and its correction
+    (below, apart from the unsplit ones) brings it down. Measured on the default model at
+    batch 64 and 300 cached tokens: plain 335 ms; one row drafting 4 tokens 429 ms packed (376
+    with the split attention), ~1,010 ms padded; 8 rows drafting 4, 441-450 ms packed, ~1,070
+    padded."""
 
     model: Transformer | None = None
     table: dict[int, dict[int, float]] = field(default_factory=dict)  # batch -> q -> seconds
     prefix: int = 128  # cached tokens per row during measurement
     batch_grid: tuple[int, ...] = ()
     learns: bool | None = None  # correct the curve with observed forwards (None: when it measures itself)
-    lone: dict[int, dict[int, float]] = field(default_factory=dict)  # batch -> 1 + width -> seconds, one row drafting
-    observed: dict[int, dict[int, list[float]]] = field(default_factory=dict)  # batch -> q -> [mean ratio, count]
+    lone: dict[int, dict[int, float]] = field(default_factory=dict)  # batch -> 1 + width -> seconds, lone_rows drafting
+    observed: dict[int, dict[int, list[float]]] = field(default_factory=dict)  # batch -> q -> [mean ratio, count], even forwards
+    ragged: dict[int, dict[tuple[int, bool], list[float]]] = field(default_factory=dict)  # batch -> (width, split) -> [mean ratio, count]
     _curves: dict[int, dict[int, float]] = field(default_factory=dict)  # batch -> the corrected curve
 
     def _bucket(self, batch: int) -> int:
@@ -73,49 +78,71 @@ class CostModel:
             curve = self._curves[batch] = self._corrected(batch)
         return _interpolate(curve, q)
 
-    def verification(self, batch: int, per_row: float, width: int, q_max: int) -> float:
+    def verification(self, batch: int, per_row: float, width: int, q_max: int, deep: int | None = None) -> float:
         """Seconds of a packed verification forward of ``batch`` rows carrying ``per_row`` draft
-        nodes each on average, the widest row ``width``: the full curve at 1 + per_row tokens
-        per row, plus its padding slots (rows x width - nodes) at the padding cost per slot of
-        that width (see the class doc): none when every row drafts ``width``."""
-        return self.latency(batch, 1.0 + per_row, q_max) + self.padded(batch, per_row, width)
+        nodes each on average, the widest row ``width``, ``deep`` of the rows drafting (None:
+        taken as too many to split the attention): the full curve at 1 + per_row tokens per
+        row, plus its padding slots (rows x width - nodes) at the padding cost per slot of that
+        width (see the class doc): none when every row drafts ``width``. A ragged forward (some
+        rows narrower than the widest) is then scaled by what the ragged forwards of its width,
+        split or not, really took against this price (``observe``)."""
+        price = self.latency(batch, 1.0 + per_row, q_max) + self.padded(batch, per_row, width)
+        if not _ragged(per_row, width):
+            return price
+        o = self.ragged.get(self._bucket(batch), {}).get(self._ragged_key(batch, width, deep))
+        return price * o[0] if o is not None and o[1] >= OBSERVED_MIN else price
+
+    def _ragged_key(self, batch: int, width: int, deep: int | None) -> tuple[int, bool]:
+        return width, deep is not None and splits(deep, batch, 1 + width)
 
     def padded(self, batch: int, per_row: float, width: int) -> float:
         """The padding slots' share of ``verification``: rows x width - nodes slots, at what
-        one slot of the lone forward's padding ((rows - 1) x width slots) cost."""
+        one slot of the lone forward's padding cost."""
         bucket = self._bucket(batch)
         if bucket <= 1 or width <= 0:
             return 0.0
-        share = bucket * max(0.0, width - per_row) / ((bucket - 1) * width)
-        return share * self.padding(batch, width)
+        return bucket * max(0.0, width - per_row) * self.slot(batch, width)
 
-    def padding(self, batch: int, width: int) -> float:
-        """What the padding of a forward with one row drafting ``width`` tokens beside plain
-        rows costs: that forward as measured, less the full curve at its tokens (0 where not
+    def slot(self, batch: int, width: int) -> float:
+        """What one padding slot of a forward ``width`` draft tokens wide costs: the lone
+        forward (``lone_rows`` rows drafting ``width``, the others plain) as measured, less the
+        full curve at its tokens, over its (rows - lone_rows) x width padding slots (0 where not
         measured)."""
         bucket = self._bucket(batch)
         lone = self.lone.get(bucket)
-        if width <= 0 or not lone or bucket not in self.table:
+        if width <= 0 or not lone or bucket not in self.table or bucket <= 1:
             return 0.0
-        return max(0.0, _interpolate(lone, 1 + width) - _interpolate(self.table[bucket], 1.0 + width / bucket))
+        r = lone_rows(bucket)
+        extra = _interpolate(lone, 1 + width) - _interpolate(self.table[bucket], 1.0 + r * width / bucket)
+        return max(0.0, extra) / ((bucket - r) * width)
 
-    def observe(self, batch: int, q: float, seconds: float, width: int | None = None) -> None:
+    def observe(self, batch: int, q: float, seconds: float, width: int | None = None,
+                deep: int | None = None) -> None:
         """A real forward of ``batch`` rows over ``q`` new tokens each (a packed forward's mean;
-        ``width``: its widest row's draft, None = every row q) took ``seconds``. Its ratio to
-        the measured price (curve and padding) is counted at the nearest whole token count."""
+        ``width``: its widest row's draft, None = every row q; ``deep``: its rows that drafted)
+        took ``seconds``.
+
+        An even forward (every row the same tokens: plain decoding, a static batch's drafts)
+        corrects the curve: its ratio to the measured curve is counted at its token count. A
+        ragged one (packed, some rows narrower than the widest) is counted apart, by its width
+        and whether its attention was split, as its ratio to the whole current price
+        (``verification``). Counted with the even ones
+        at its rounded mean, a ragged forward whose padding was underpriced raised the plain
+        step's price (most ragged forwards carry 1.1-1.5 tokens per row) and so made drafting
+        look cheaper still."""
         if not (self.learns if self.learns is not None else self.model is not None):
             return  # a given table (a test's, a simulation's) is taken as it is
         bucket = self._bucket(batch)
         expected = self._measured_at(batch, q)
         if expected is None or seconds <= 0:
             return  # nothing measured to compare with (a fixed policy never prices this batch)
-        if width is not None:
-            expected += self.padded(batch, q - 1.0, width)
-        ratio = seconds / expected
-        o = self.observed.setdefault(bucket, {}).setdefault(max(1, round(q)), [ratio, 0.0])
-        o[0] = OBSERVED_DECAY * o[0] + (1 - OBSERVED_DECAY) * ratio if o[1] else ratio
-        o[1] += 1
-        if o[1] >= OBSERVED_MIN:
+        if width is not None and _ragged(q - 1.0, width):
+            price = expected * self._even_ratio(bucket, q) + self.padded(batch, q - 1.0, width)
+            key = self._ragged_key(batch, width, deep)
+            _update(self.ragged.setdefault(bucket, {}).setdefault(key, [1.0, 0.0]), seconds / price)
+            return
+        o = self.observed.setdefault(bucket, {}).setdefault(max(1, round(q)), [1.0, 0.0])
+        if _update(o, seconds / expected) >= OBSERVED_MIN:
             self._curves.pop(bucket, None)
 
     def _measured_at(self, batch: int, q: float) -> float | None:
@@ -135,13 +162,40 @@ class CostModel:
         low = _interpolate(self.table[low_b], q)
         return low + (high - low) * (batch - low_b) / (bucket - low_b)
 
+    def _ratios(self, batch: int) -> dict[int, float]:
+        """The even forwards' observed ratios to the curve, per token count counted enough."""
+        return {q: o[0] for q, o in self.observed.get(batch, {}).items() if o[1] >= OBSERVED_MIN}
+
+    def _even_ratio(self, batch: int, q: float) -> float:
+        ratios = self._ratios(batch)
+        return _held(ratios, q) if ratios else 1.0
+
     def _corrected(self, batch: int) -> dict[int, float]:
         base = self.table[batch]
-        ratios = {q: o[0] for q, o in self.observed.get(batch, {}).items() if o[1] >= OBSERVED_MIN}
+        ratios = self._ratios(batch)
         if not ratios:
             return base
         points = sorted(set(base) | set(ratios))
         return monotone({q: _interpolate(base, q) * _held(ratios, q) for q in points})
+
+
+def lone_rows(batch: int) -> int:
+    """The rows that draft in the padding's measurement (``measure_latency``'s ``lone``): the
+    fewest whose attention is not split (``transformer.splits``), at most all rows but one."""
+    return max(1, min(batch - 1, int(SPLIT_SHARE * batch) + 1))
+
+
+def _ragged(per_row: float, width: int) -> bool:
+    """Whether a forward carrying ``per_row`` draft nodes per row on average, the widest
+    ``width``, has rows narrower than the widest (and so padding)."""
+    return width > 0 and per_row < width - 1e-9
+
+
+def _update(running: list[float], ratio: float) -> float:
+    """Fold ``ratio`` into a [decayed mean, count] pair; returns the new count."""
+    running[0] = OBSERVED_DECAY * running[0] + (1 - OBSERVED_DECAY) * ratio if running[1] else ratio
+    running[1] += 1
+    return running[1]
 
 
 def _held(points: dict[int, float], q: float) -> float:
@@ -200,8 +254,8 @@ def measure_latency(model: Transformer, batch: int, qs: Seq[int], prefix: int = 
                     clock: Callable[[], float] = time.perf_counter, lone: bool = False
                     ) -> Any:
     """Median seconds of a forward over q new tokens per row after ``prefix`` cached tokens.
-    With ``lone``: (that, the same for a packed forward in which row 0 carries q tokens and the
-    others one each), the second measured in the same rounds.
+    With ``lone``: (that, the same for a packed forward in which the first ``lone_rows`` rows
+    carry q tokens and the others one each), the second measured in the same rounds.
     Measured within the model's context: the prefix shrinks (and the widest q is capped) so
     that prefix + q never passes it. The token counts take turns, one forward each per round
     (after a warm-up round): a slow spell of a shared machine then slows every count alike
@@ -222,7 +276,8 @@ def measure_latency(model: Transformer, batch: int, qs: Seq[int], prefix: int = 
     times: dict[tuple[int, bool], list[float]] = {kind: [] for kind in kinds}
     for i in range(repeats + 1):
         for q, alone in kinds:
-            packed = {"real": [q] + [1] * (batch - 1)} if alone else {}
+            r = lone_rows(batch)
+            packed = {"real": [q] * r + [1] * (batch - r)} if alone else {}
             t0 = clock()
             model(*inputs[q], cache, **packed)
             if device.type == "cuda":
