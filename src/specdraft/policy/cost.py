@@ -126,10 +126,9 @@ class CostModel:
         corrects the curve: its ratio to the measured curve is counted at its token count. A
         ragged one (packed, some rows narrower than the widest) is counted apart, by its width
         and whether its attention was split, as its ratio to the whole current price
-        (``verification``). Counted with the even ones
-        at its rounded mean, a ragged forward whose padding was underpriced raised the plain
-        step's price (most ragged forwards carry 1.1-1.5 tokens per row) and so made drafting
-        look cheaper still."""
+        (``verification``). Counted with the even ones at its rounded mean, a ragged forward
+        whose padding was underpriced raised the plain step's price (most ragged forwards
+        carry 1.1-1.5 tokens per row) and so made drafting look cheaper still."""
         if not (self.learns if self.learns is not None else self.model is not None):
             return  # a given table (a test's, a simulation's) is taken as it is
         bucket = self._bucket(batch)
