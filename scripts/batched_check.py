@@ -2,7 +2,7 @@
 adaptive policy against plain: row by row in bfloat16 --batch-invariant (`bfloat16 bi`), or one
 plain batch in another mode (`float32 no`). Prints how many rows are identical.
 
-    .venv/bin/python scripts/batched_check.py bfloat16 bi
+    .venv/bin/python scripts/batched_check.py bfloat16 bi [method, default suffix]
 """
 import sys, torch
 from specdraft.api import build_engine
@@ -19,7 +19,7 @@ prompts = [loaded.tokenizer.encode_chat([{"role": "user", "content": m}])[:400] 
 gen = GenerationConfig(max_new_tokens=48)
 plain = build_engine(loaded, "plain")
 ref = [plain.generate([p], gen)[0] for p in prompts] if bi else plain.generate(prompts, gen)
-spec = build_engine(loaded, "suffix")
+spec = build_engine(loaded, sys.argv[3] if len(sys.argv) > 3 else "suffix")
 out = spec.generate(prompts, gen)
 same = sum(list(a.tokens) == list(b.tokens) for a, b in zip(ref, out))
 print(f"{dtype} bi={bi}: {same}/{len(prompts)} identical")
