@@ -96,7 +96,7 @@ from specdraft.proposers.base import move_key
 
 HORIZON_TOKENS = 64  # tokens a row is assumed to have left when the caller does not say
 PROBE_SETUP_SHARE = 0.02  # probes' setups may cost up to this share of the time between probes
-PROBE_ROWS = 0.125  # a probe before the proposer has drafted asks this share of the live rows (at least one)
+PROBE_ROWS = 0.125  # a probe (budgeted before drafting) asks this share of the live rows, at least one
 
 
 def _share(sizes: Seq[int]) -> float:
